@@ -1,0 +1,129 @@
+"""Kernel-level attention ops: the public wrappers, validation, and the one place
+that chooses a backend.
+
+Every op takes ``backend=None`` (CUDA tensors -> "triton" when Triton is importable,
+else "torch"), "torch" (the reference in ``reference.py``) or "triton" (GPU kernels;
+on CPU tensors they run under Triton's interpreter). ``lse`` is float32 with the
+shape of ``out`` minus its last dimension; a query with no visible key gets
+``out = 0`` and ``lse = -inf``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from . import reference
+
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "resolve_backend", "triton_available"]
+
+BACKENDS = ("torch", "triton")
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend an op runs on: an explicit choice, or the default for the device."""
+    if backend is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend: 'triton' requested but triton is not installed")
+    return backend
+
+
+def _impl(op: str, backend: str | None, device: torch.device) -> Callable:
+    if resolve_backend(backend, device) == "torch":
+        return getattr(reference, op)
+    from . import triton as triton_ops  # imported lazily: triton is optional
+
+    return getattr(triton_ops, op)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
+    _check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int32,
+           f"{name}: expected a 1-D int32 tensor, got {_describe(t)}")
+    _check(length is None or t.shape[0] == length, f"{name}: expected length {length}, got {t.shape[0]}")
+    _check(t.device == device, f"{name}: expected device {device}, got {t.device}")
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *,
+               backend=None):
+    """Absorbed MLA attention of ``s_q`` new tokens per sequence over a paged latent cache.
+
+    q:             [B, s_q, H, d] float16/bfloat16/float32, d = kv_lora_rank + qk_rope_head_dim (576)
+    kv_cache:      [num_blocks, block_size, d] (or [num_blocks, block_size, 1, d]), q's dtype
+    block_table:   [B, max_blocks] int32; block j of sequence b is kv_cache[block_table[b, j]]
+    cache_seqlens: [B] int32, lengths including the s_q new tokens
+    head_dim_v:    values are the first head_dim_v (= kv_lora_rank) entries of each row
+    causal:        query i sees keys < cache_seqlens - s_q + i + 1; else every key
+    Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32.
+    """
+    _check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {_describe(q)}")
+    _check(q.dtype in _FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
+        _check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    B, s_q, H, d = q.shape
+    _check(isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3 and kv_cache.shape[-1] == d,
+           f"kv_cache: expected [num_blocks, block_size, {d}], got {_describe(kv_cache)}")
+    _check(kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+    _check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
+    _check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] == B
+           and block_table.dtype == torch.int32,
+           f"block_table: expected [{B}, max_blocks] int32, got {_describe(block_table)}")
+    _check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
+    _check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
+    _check(isinstance(head_dim_v, int) and 0 < head_dim_v <= d, f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
+    return _impl("mla_decode", backend, q.device)(
+        q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal))
+
+
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, backend=None):
+    """Varlen packed attention with log-sum-exp (the expanded, "MHA" path).
+
+    q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 offsets.
+    causal aligns the ends: the last query of a sequence sees all its keys.
+    Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(isinstance(t, torch.Tensor) and t.dim() == 3, f"{name}: expected a 3-D [tokens, heads, dim] tensor, got {_describe(t)}")
+        _check(t.dtype in _FLOAT, f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+        _check(t.device == q.device, f"{name}: expected device {q.device}, got {t.device}")
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, f"k, v: expected dtype {q.dtype}, got {k.dtype}, {v.dtype}")
+    _check(k.shape[1:] == q.shape[1:], f"k: expected [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
+    _check(v.shape[:2] == k.shape[:2], f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
+    _check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    _check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    return _impl("prefill_attention", backend, q.device)(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal))
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
+    """Merge two partial attention results over disjoint key sets, exactly, by log-sum-exp.
+
+    out_* [..., d], lse_* [...] float32 (out's shape minus its last dim). Empty parts
+    (lse = -inf) weigh 0; returns (out in out_a's dtype, lse float32), never NaN.
+    """
+    _check(isinstance(out_a, torch.Tensor) and isinstance(out_b, torch.Tensor) and out_a.shape == out_b.shape,
+           f"out_b: expected the shape of out_a {tuple(getattr(out_a, 'shape', ()))}, got {_describe(out_b)}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == out_a.shape[:-1],
+               f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {_describe(t)}")
+    return _impl("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b)

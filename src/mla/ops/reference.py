@@ -1,0 +1,113 @@
+"""Pure-PyTorch reference implementations of the attention ops.
+
+Each function here is the specification of its op: the CPU path, the test oracle
+and the benchmark baseline. Arithmetic is float32 whatever the input dtype; the
+output takes the dtype of the query (or of ``out_a`` for the merge) and ``lse`` is
+always float32. A query that sees no key gets ``out = 0`` and ``lse = -inf``.
+
+Arguments are validated by the public wrappers in ``mla.ops``; these functions
+assume well-formed input.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "softmax_attend"]
+
+
+def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
+    """Masked softmax(scores) @ v in float32, safe for rows with no visible key.
+
+    scores [..., Q, K] float32, visible [..., Q, K] bool (broadcastable),
+    v [..., K, dv] float32 -> (out [..., Q, dv] float32, lse [..., Q] float32).
+    """
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(-inf - (-inf)) would be NaN for an empty row: subtract 0 there instead.
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return p @ v, lse
+
+
+def gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of one sequence from a paged cache [num_blocks, block_size, d]."""
+    block_size = kv_cache.shape[1]
+    idx = torch.arange(n, device=kv_cache.device)
+    blocks = block_table_row[: (n + block_size - 1) // block_size].long()
+    return kv_cache[blocks[idx // block_size], idx % block_size]
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True):
+    """Absorbed MLA attention over a paged latent cache.
+
+    q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32;
+    cache_seqlens [B] int32 (including the s_q new tokens). Keys are whole rows, values the
+    first ``head_dim_v`` values of each row. Causal: query i sees keys < len - s_q + i + 1.
+    Returns out [B, s_q, H, head_dim_v] (q.dtype) and lse [B, s_q, H] float32.
+    """
+    B, s_q, H, _ = q.shape
+    out = torch.zeros(B, s_q, H, head_dim_v, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float32, device=q.device)
+    lengths = cache_seqlens.tolist()
+    for b in range(B):
+        n = int(lengths[b])
+        if n <= 0 or s_q == 0:
+            continue
+        kv = gather_rows(kv_cache, block_table[b], n).float()           # [n, d]
+        qb = q[b].float().transpose(0, 1)                                # [H, s_q, d]
+        scores = (qb @ kv.T) * softmax_scale                             # [H, s_q, n]
+        key = torch.arange(n, device=q.device)
+        if causal:
+            limit = n - s_q + 1 + torch.arange(s_q, device=q.device)     # keys < limit[i]
+            visible = key[None, :] < limit[:, None]
+        else:
+            visible = torch.ones(s_q, n, dtype=torch.bool, device=q.device)
+        o, l = softmax_attend(scores, visible[None], kv[:, :head_dim_v])
+        out[b] = o.transpose(0, 1)
+        lse[b] = l.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
+    """Varlen packed attention. q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv];
+    cu_seqlens_* [B + 1] int32. Causal aligns the ends: query i of a sequence with
+    nq queries and nk keys sees keys j <= i + nk - nq.
+    Returns out [Tq, H, dv] (q.dtype) and lse [Tq, H] float32.
+    """
+    Tq, H, _ = q.shape
+    dv = v.shape[-1]
+    out = torch.zeros(Tq, H, dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0 or nk == 0:
+            continue
+        qb = q[q0:q1].float().transpose(0, 1)                            # [H, nq, dq]
+        kb = k[k0:k1].float().transpose(0, 1)                            # [H, nk, dq]
+        vb = v[k0:k1].float().transpose(0, 1)                            # [H, nk, dv]
+        scores = (qb @ kb.transpose(1, 2)) * softmax_scale
+        if causal:
+            i = torch.arange(nq, device=q.device)[:, None]
+            j = torch.arange(nk, device=q.device)[None, :]
+            visible = j <= i + (nk - nq)
+        else:
+            visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+        o, l = softmax_attend(scores, visible[None], vb)
+        out[q0:q1] = o.transpose(0, 1)
+        lse[q0:q1] = l.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two partial attentions over disjoint key sets by log-sum-exp.
+
+    out_* [..., d], lse_* [...] float32. A part with lse = -inf has weight 0; if both
+    are empty the result is out = 0, lse = -inf (never NaN).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), 0.0)
+    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)
+    out = out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,44 @@
+"""Triton backends of the ops in ``mla.ops`` (same signatures as ``mla.ops.reference``).
+
+Kernels are declared with :func:`jit` below instead of ``triton.jit``: the same
+kernel then runs compiled on CUDA tensors and under Triton's interpreter on CPU
+tensors, without setting ``TRITON_INTERPRET`` before import.
+"""
+from __future__ import annotations
+
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+class _DualKernel(JITFunction):
+    """A JITFunction that hands CPU-tensor launches (and calls from interpreted
+    kernels) to an InterpretedFunction of the same Python function."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(fn, **kwargs)
+        self.interpreted = InterpretedFunction(fn)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        import torch
+
+        on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
+        if on_cpu:
+            return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+        return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def __call__(self, *args, **kwargs):  # a device-function call inside an interpreted kernel
+        return self.interpreted(*args, **kwargs)
+
+
+def jit(fn=None, **kwargs):
+    """``triton.jit`` that also runs on CPU tensors (through the interpreter)."""
+    if triton.knobs.runtime.interpret:  # TRITON_INTERPRET=1 set by the user: plain interpreter
+        return triton.jit(fn, **kwargs) if fn is not None else triton.jit(**kwargs)
+    if fn is None:
+        return lambda f: _DualKernel(f, **kwargs)
+    return _DualKernel(fn, **kwargs)
+
+
+# Ops with a Triton kernel are re-exported here as they land; the rest fall back to the reference.
+from ..reference import mla_decode, prefill_attention, merge_attention  # noqa: E402,F401
