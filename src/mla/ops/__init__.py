@@ -16,7 +16,8 @@ import torch
 
 from . import reference
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "resolve_backend", "triton_available"]
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
+           "resolve_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton")
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -127,3 +128,42 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
         _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == out_a.shape[:-1],
                f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {_describe(t)}")
     return _impl("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
+
+
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, backend=None):
+    """Fused RoPE + latent-cache append (in place).
+
+    q_pe [T, H, dr] and k_pe [T, dr] are rotated in place by cos, sin [T, dr/2] float32
+    (interleaved pairs (2i, 2i+1) or neox pairs (i, i + dr/2)); rows [c_kv | rope(k_pe)]
+    (c_kv [T, r]) are written to kv_cache [num_blocks, block_size, r + dr] at the flat
+    slots slot_mapping [T] int64. Returns None.
+    """
+    T = c_kv.shape[0]
+    _check(q_pe.dim() == 3 and q_pe.shape[0] == T, f"q_pe: expected [{T}, H, dr], got {_describe(q_pe)}")
+    dr = q_pe.shape[-1]
+    _check(k_pe.shape == (T, dr), f"k_pe: expected [{T}, {dr}], got {_describe(k_pe)}")
+    _check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32,
+           f"cos, sin: expected float32 [{T}, {dr // 2}], got {_describe(cos)}, {_describe(sin)}")
+    _check(kv_cache.dim() == 3 and kv_cache.shape[-1] == c_kv.shape[-1] + dr,
+           f"kv_cache: expected [num_blocks, block_size, {c_kv.shape[-1] + dr}], got {_describe(kv_cache)}")
+    _check(slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64,
+           f"slot_mapping: expected int64 [{T}], got {_describe(slot_mapping)}")
+    return _impl("rope_append", backend, kv_cache.device)(
+        q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave))
+
+
+def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):
+    """Rows starts[b] .. starts[b] + len_b of each sequence b, from the paged cache into one
+    contiguous [num_tokens, d] buffer at rows cu_seqlens[b] .. cu_seqlens[b + 1].
+
+    kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32; starts [B] int32;
+    cu_seqlens [B + 1] int32 with cu_seqlens[-1] == num_tokens (an int, so no host sync).
+    """
+    _check(kv_cache.dim() == 3, f"kv_cache: expected [num_blocks, block_size, d], got {_describe(kv_cache)}")
+    _check(block_table.dim() == 2 and block_table.dtype == torch.int32,
+           f"block_table: expected [B, max_blocks] int32, got {_describe(block_table)}")
+    B = block_table.shape[0]
+    _check_int_vector("starts", starts, B, kv_cache.device)
+    _check_int_vector("cu_seqlens", cu_seqlens, B + 1, kv_cache.device)
+    _check(isinstance(num_tokens, int) and num_tokens >= 0, f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+    return _impl("gather_latent", backend, kv_cache.device)(kv_cache, block_table, starts, cu_seqlens, num_tokens)

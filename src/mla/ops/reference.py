@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "softmax_attend"]
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent", "softmax_attend"]
 
 
 def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
@@ -111,3 +111,36 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)
     out = out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)
     return out.to(out_a.dtype), lse
+
+
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
+    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32), and
+    write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
+    block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset).
+    """
+    from ..rope import apply_rope
+
+    q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
+    k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    flat[slot_mapping] = torch.cat((c_kv, k_pe), dim=-1).to(kv_cache.dtype)
+
+
+def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):
+    """Copy latent rows of several sequences from the paged cache into one contiguous buffer.
+
+    Sequence b contributes its tokens starts[b] .. starts[b] + (cu_seqlens[b+1] - cu_seqlens[b])
+    to rows cu_seqlens[b] .. cu_seqlens[b+1] of the result [num_tokens, d] (kv_cache's dtype).
+    block_table [B, max_blocks] int32, starts [B] int32, cu_seqlens [B + 1] int32.
+    """
+    out = torch.empty(num_tokens, kv_cache.shape[-1], dtype=kv_cache.dtype, device=kv_cache.device)
+    block_size = kv_cache.shape[1]
+    cu, st = cu_seqlens.tolist(), starts.tolist()
+    for b in range(len(cu) - 1):
+        n = cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        tok = torch.arange(st[b], st[b] + n, device=kv_cache.device)
+        blocks = block_table[b].long()[tok // block_size]
+        out[cu[b]:cu[b + 1]] = kv_cache[blocks, tok % block_size]
+    return out

@@ -41,4 +41,9 @@ def jit(fn=None, **kwargs):
 
 
 # Ops with a Triton kernel are re-exported here as they land; the rest fall back to the reference.
-from ..reference import mla_decode, prefill_attention, merge_attention  # noqa: E402,F401
+# One line per op, so each kernel file swaps in its own line.
+from ..reference import mla_decode  # noqa: E402,F401
+from ..reference import prefill_attention  # noqa: E402,F401
+from ..reference import merge_attention  # noqa: E402,F401
+from ..reference import rope_append  # noqa: E402,F401
+from ..reference import gather_latent  # noqa: E402,F401

@@ -1,0 +1,262 @@
+"""Split-KV absorbed MLA decode in Triton: ``mla_decode`` with the reference's signature.
+
+Notation: a cache row is ``[c_kv (dv = kv_lora_rank) | k_pe (dr = qk_rope_head_dim)]``;
+the key is the whole row, the value its first ``dv`` entries. Every query row of a
+sequence (``s_q`` tokens x ``H`` heads) sees the same keys, so they are flattened
+into the M dimension of the tensor-core tiles: row ``m = i * H + h``.
+
+Schedule (plan on the host from shapes only, so a step can be captured in a CUDA graph):
+
+    grid = (ceil(H * s_q / BLOCK_M), num_splits, B)
+    program (mb, s, b):  keys [s * chunk, (s + 1) * chunk) of sequence b, chunk from its
+                         length (read on the device), BLOCK_N keys per step:
+        S   = q_nope @ c_kv^T + q_pe @ k_pe^T          # [BLOCK_M, BLOCK_N], fp32
+        online softmax (base 2), acc += P @ c_kv         # [BLOCK_M, dv], fp32
+        -> partial (out, lse) per split, or the final result when num_splits == 1
+    combine: out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s
+
+Masking: loads past a sequence's end are masked with ``other=0`` (never dereferenced:
+NaN in unused blocks or tail slots cannot leak), invisible scores are set to -inf
+with ``tl.where``; an empty row gives out = 0, lse = -inf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from . import jit
+
+__all__ = ["mla_decode", "DecodeConfig", "default_config", "launch"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shapes and schedule of one launch (compile-time constants of the kernel)."""
+
+    block_m: int = 64        # query rows (heads x s_q) per program, padded to >= 16
+    block_n: int = 64        # keys per inner step
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int = 1      # programs per sequence along the cache length
+
+
+@jit
+def _decode_split_kernel(
+    Q, KV, BT, SEQLENS, O, LSE,
+    stride_qb, stride_qi, stride_qh,
+    stride_kv_blk, stride_kv_row,
+    stride_bt,
+    stride_os, stride_ob, stride_oi, stride_oh,
+    stride_ls, stride_lb, stride_li,
+    H, S_Q, DV, DR, block_size, num_splits, qk_scale,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < H * S_Q
+    qi = m // H
+    h = m % H
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    dv_ok = dv < DV
+    dr_ok = dr < DR
+
+    q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qi + h * stride_qh
+    q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+
+    seqlen = tl.load(SEQLENS + b)
+    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    if CAUSAL:
+        limit = seqlen - S_Q + qi + 1        # query i sees keys < limit
+    else:
+        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
+        kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
+        c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_nope, tl.trans(c_kv))
+            s = tl.dot(q_pe, tl.trans(k_pe), s)
+        visible = n_ok[None, :] & (n[None, :] < limit[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_row = O + pid_s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
+    tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    l_row = LSE + pid_s.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
+    tl.store(l_row, lse, mask=row_ok)
+
+
+@jit
+def _combine_kernel(
+    O_PART, LSE_PART, OUT, LSE,
+    stride_ps, stride_pb, stride_pi, stride_ph,
+    stride_ls, stride_lb, stride_li,
+    stride_ob, stride_oi, stride_oh,
+    stride_Lb, stride_Li,
+    H, DV, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse); one (row, d-slice) per program."""
+    m = tl.program_id(0)
+    b = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    qi = m // H
+    h = m % H
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < DV
+    s_off = tl.arange(0, BLOCK_S)
+    l_base = LSE_PART + b.to(tl.int64) * stride_lb + qi * stride_li + h
+    p_base = O_PART + b.to(tl.int64) * stride_pb + qi * stride_pi + h * stride_ph
+
+    mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ls = tl.load(l_base + (s0 + s_off) * stride_ls, mask=s0 + s_off < num_splits, other=float("-inf"))
+        mx = tl.maximum(mx, ls)
+    lmax = tl.max(mx, 0)
+    lmax = tl.where(lmax == float("-inf"), 0.0, lmax)
+
+    tot = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_ok = s0 + s_off < num_splits
+        ls = tl.load(l_base + (s0 + s_off) * stride_ls, mask=s_ok, other=float("-inf"))
+        w = tl.exp(ls - lmax)                               # empty split (-inf): weight 0
+        o = tl.load(p_base + (s0 + s_off)[:, None] * stride_ps + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        tot += w
+        acc += w[:, None] * o
+    total = tl.sum(tot, 0)
+    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh + d,
+             out.to(OUT.dtype.element_ty), mask=d_ok)
+    if pid_d == 0:
+        lse = tl.where(total == 0.0, float("-inf"), lmax + tl.log(tl.where(total == 0.0, 1.0, total)))
+        tl.store(LSE + b.to(tl.int64) * stride_Lb + qi * stride_Li + h, lse)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(q: torch.Tensor, max_len: int) -> DecodeConfig:
+    """The schedule for a launch, from host-known shapes only (no device reads).
+
+    Enough splits of the cache that about one wave of programs fills the GPU, but no
+    split shorter than 256 keys; tiles of 64 keys, query rows padded to 16..64.
+    """
+    B, s_q, H, _ = q.shape
+    rows = H * s_q
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if q.device.type != "cuda":  # the interpreter: small tiles, a couple of splits to exercise the combine
+        return DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                            num_splits=max(1, min(3, math.ceil(max_len / 16))))
+    if q.dtype == torch.float32:  # fp32 operands: FMA path, small key tiles to fit shared memory
+        return DecodeConfig(block_m=min(block_m, 32), block_n=16, num_warps=8, num_stages=1,
+                            num_splits=_splits(q, B * triton.cdiv(rows, min(block_m, 32)), max_len, 16))
+    ctas = B * triton.cdiv(rows, block_m)
+    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8 if block_m >= 32 else 4, num_stages=2,
+                        num_splits=_splits(q, ctas, max_len, 64))
+
+
+def _splits(q: torch.Tensor, ctas: int, max_len: int, block_n: int) -> int:
+    waves = max(1, _num_sms(q.device.index or 0) // ctas)
+    return max(1, min(waves, triton.cdiv(max_len, max(256, block_n))))
+
+
+def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, cfg: DecodeConfig):
+    """``mla_decode`` with an explicit schedule (the benchmark compares several)."""
+    B, s_q, H, d = q.shape
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dv, dr = head_dim_v, d - head_dim_v
+    out = torch.empty(B, s_q, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    if B == 0 or s_q == 0 or H == 0:
+        return out, lse
+    S = cfg.num_splits
+    if S == 1:
+        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o_part = torch.empty(S, B, s_q, H, dv, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
+    block_dv = triton.next_power_of_2(dv)
+    block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
+    grid = (triton.cdiv(H * s_q, cfg.block_m), S, B)
+    _decode_split_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0), l_part.stride(1), l_part.stride(2),
+        H, s_q, dv, dr, kv_cache.shape[1], S, softmax_scale * _LOG2E,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if S > 1:
+        block_d = min(128, block_dv)
+        _combine_kernel[(H * s_q, B, triton.cdiv(dv, block_d))](
+            o_part, l_part, out, lse,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            l_part.stride(0), l_part.stride(1), l_part.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            H, dv, S,
+            BLOCK_S=min(16, triton.next_power_of_2(S)), BLOCK_D=block_d, num_warps=4,
+        )
+    return out, lse
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True):
+    """Absorbed MLA attention over a paged latent cache (see ``mla.ops.reference.mla_decode``).
+
+    q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32;
+    cache_seqlens [B] int32 (including the s_q new tokens). Returns out [B, s_q, H, head_dim_v]
+    in q's dtype and lse [B, s_q, H] float32. No host synchronisation: the split count comes
+    from ``block_table.shape[1] * block_size``, the longest length the table can hold.
+    """
+    max_len = block_table.shape[1] * kv_cache.shape[1]
+    return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                  default_config(q, max_len))

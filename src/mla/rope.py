@@ -1,0 +1,68 @@
+"""Rotary position embedding for the decoupled RoPE part of MLA (q_pe, k_pe).
+
+Angles are computed in float32 from ``inv_freq`` for the positions of the step,
+exactly as transformers does (position * inv_freq, then cos/sin, times the YaRN
+cos/sin scale). Pairing is DeepSeek's interleaved (2i, 2i+1) or neox (i, i + dr/2);
+the rotated tensor keeps its input layout, so queries and keys always agree.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import MLAConfig
+
+__all__ = ["inv_freq", "cos_sin", "apply_rope", "query_temperature"]
+
+
+def inv_freq(cfg: MLAConfig) -> torch.Tensor:
+    """[dr / 2] float32 inverse frequencies (default RoPE, or YaRN's per-frequency ramp)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    s = cfg.rope_scaling
+    if s is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:   # transformers and DeepSeek floor and ceil the ramp's bounds
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp   # 1: extrapolate (high frequencies kept), 0: interpolate by `factor`
+    return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def cos_sin(cfg: MLAConfig, positions: torch.Tensor, freqs: torch.Tensor | None = None):
+    """cos, sin [T, dr / 2] float32 for integer positions [T], with YaRN's cos/sin scale."""
+    if freqs is None:
+        freqs = inv_freq(cfg)
+    angles = positions.to(torch.float32)[:, None] * freqs.to(positions.device)[None, :]
+    scale = cfg.rope_scaling.cos_sin_scale if cfg.rope_scaling is not None else 1.0
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [T, ..., dr] by cos/sin [T, dr / 2] in float32; returns x's dtype and layout."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def query_temperature(cfg: MLAConfig, positions: torch.Tensor) -> torch.Tensor | None:
+    """Llama-4 style per-position query scale [T] float32, or None when the config has none."""
+    if cfg.temperature_floor_scale is None:
+        return None
+    floor = torch.floor((positions.to(torch.float32) + 1.0) / cfg.temperature_floor_scale)
+    return torch.log(floor + 1.0) * cfg.temperature_beta + 1.0
