@@ -47,6 +47,19 @@ class DecodeConfig:
     num_splits: int = 1      # programs per sequence along the cache length
 
 
+# Reductions through tl.reduce with our own combine functions: the standard library's
+# tl.sum / tl.max / tl.zeros are plain triton.jit functions that the interpreter path
+# of our dual-mode jit cannot call.
+@jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def _add(a, b):
+    return a + b
+
+
 @jit
 def _decode_split_kernel(
     Q, KV, BT, SEQLENS, O, LSE,
@@ -77,17 +90,18 @@ def _decode_split_kernel(
     q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
 
     seqlen = tl.load(SEQLENS + b)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    per_split = (seqlen + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = pid_s * chunk
     end = tl.minimum(start + chunk, seqlen)
     if CAUSAL:
         limit = seqlen - S_Q + qi + 1        # query i sees keys < limit
     else:
-        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen
+        limit = tl.full([BLOCK_M], 0, dtype=tl.int32) + seqlen
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt
     for start_n in range(start, end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
@@ -104,11 +118,11 @@ def _decode_split_kernel(
             s = tl.dot(q_pe, tl.trans(k_pe), s)
         visible = n_ok[None, :] & (n[None, :] < limit[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         if IEEE:
             acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -150,11 +164,11 @@ def _combine_kernel(
     for s0 in range(0, num_splits, BLOCK_S):
         ls = tl.load(l_base + (s0 + s_off) * stride_ls, mask=s0 + s_off < num_splits, other=float("-inf"))
         mx = tl.maximum(mx, ls)
-    lmax = tl.max(mx, 0)
+    lmax = tl.reduce(mx, 0, _max)
     lmax = tl.where(lmax == float("-inf"), 0.0, lmax)
 
-    tot = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    tot = tl.full([BLOCK_S], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_S, BLOCK_D], 0.0, dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         s_ok = s0 + s_off < num_splits
         ls = tl.load(l_base + (s0 + s_off) * stride_ls, mask=s_ok, other=float("-inf"))
@@ -163,8 +177,8 @@ def _combine_kernel(
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         tot += w
         acc += w[:, None] * o
-    total = tl.sum(tot, 0)
-    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
+    total = tl.reduce(tot, 0, _add)
+    out = tl.reduce(acc, 0, _add) / tl.where(total == 0.0, 1.0, total)
     tl.store(OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh + d,
              out.to(OUT.dtype.element_ty), mask=d_ok)
     if pid_d == 0:

@@ -1,0 +1,9 @@
+"""mla: Multi-head Latent Attention (DeepSeek-V2/V3/V3.2, Kimi K2) for LLM inference."""
+from . import ops
+from .batch import Batch
+from .cache import CacheFullError, PagedLatentCache
+from .config import MLAConfig, RopeScaling
+from .layer import MLA
+
+__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "ops"]
+__version__ = "0.1.0"

@@ -1,0 +1,216 @@
+"""PagedLatentCache: one preallocated tensor of latent rows, block bookkeeping in plain Python.
+
+Each token keeps one row [c_kv | rope(k_pe)] of kv_lora_rank + qk_rope_head_dim values
+per layer. Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns
+an ordered list of blocks. Blocks carry reference counts: ``fork`` shares every block of
+the source, and the first write into a shared, partly filled block copies it first
+(copy-on-write), so full shared blocks are never copied.
+
+Every public method checks all of its input before it changes anything: a call that
+raises leaves the cache exactly as it was.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Hashable, Iterable
+
+import torch
+
+from .batch import Batch
+from .config import MLAConfig
+
+__all__ = ["PagedLatentCache", "CacheFullError"]
+
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class CacheFullError(ValueError):
+    """The block pool cannot hold what a call asks for; nothing was changed."""
+
+
+def _blocks_for(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+class PagedLatentCache:
+    def __init__(self, cfg: MLAConfig, num_layers: int = 1, num_blocks: int = 256, block_size: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None):
+        if not isinstance(cfg, MLAConfig):
+            raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype}")
+        if parallel is not None:
+            raise ValueError("parallel: expected None (tensor/context parallelism is not built yet)")
+        self.cfg = cfg
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.kv = torch.zeros(num_layers, num_blocks, block_size, cfg.kv_dim, dtype=dtype, device=self.device)
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._blocks: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """The cache of one layer: [num_blocks, block_size, r + dr]."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx: expected 0..{self.num_layers - 1}, got {layer_idx}")
+        return self.kv[layer_idx]
+
+    def length(self, seq_id: Hashable) -> int:
+        self._require(seq_id, "seq_id")
+        return self._lengths[seq_id]
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._lengths
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._lengths)
+
+    def blocks(self, seq_id: Hashable) -> list[int]:
+        """The block ids of a sequence, in token order (a copy)."""
+        self._require(seq_id, "seq_id")
+        return list(self._blocks[seq_id])
+
+    # ---- changes ---------------------------------------------------------------------------
+    def prepare(self, requests: Iterable[tuple[Hashable, int]]) -> Batch:
+        """Reserve slots for one step: ``requests`` is [(seq_id, num_new_tokens), ...] in the
+        order of the rows of hidden_states. Unknown seq_ids start empty. Returns the Batch."""
+        reqs = self._check_requests(requests)
+        need = 0
+        for seq, n in reqs:
+            old = self._lengths.get(seq, 0)
+            blocks = self._blocks.get(seq, [])
+            need += _blocks_for(old + n, self.block_size) - len(blocks)
+            if n > 0 and self._cow_needed(blocks, old):
+                need += 1
+        if need > len(self._free):
+            raise CacheFullError(f"requests: need {need} free blocks, the pool has {len(self._free)} "
+                                 f"(num_blocks={self.num_blocks}, block_size={self.block_size})")
+        # Nothing can fail past this point.
+        for seq, n in reqs:
+            old = self._lengths.get(seq, 0)
+            blocks = self._blocks.setdefault(seq, [])
+            if n > 0 and self._cow_needed(blocks, old):
+                blocks[-1] = self._copy_block(blocks[-1])
+            while len(blocks) < _blocks_for(old + n, self.block_size):
+                blocks.append(self._alloc())
+            self._lengths[seq] = old + n
+        return self._build_batch(reqs)
+
+    def fork(self, src_seq_id: Hashable, dst_seq_id: Hashable) -> None:
+        """dst shares all of src's tokens; a partly filled last block is copied on its first write."""
+        self._require(src_seq_id, "src_seq_id")
+        if dst_seq_id in self._lengths:
+            raise ValueError(f"dst_seq_id: expected a new sequence, {dst_seq_id!r} already exists")
+        blocks = list(self._blocks[src_seq_id])
+        for b in blocks:
+            self._refs[b] += 1
+        self._blocks[dst_seq_id] = blocks
+        self._lengths[dst_seq_id] = self._lengths[src_seq_id]
+
+    def truncate(self, seq_id: Hashable, new_length: int) -> None:
+        """Keep the first new_length tokens (drop rejected draft tokens)."""
+        self._require(seq_id, "seq_id")
+        length = self._lengths[seq_id]
+        if not isinstance(new_length, int) or isinstance(new_length, bool) or not 0 <= new_length <= length:
+            raise ValueError(f"new_length: expected an int in 0..{length} for {seq_id!r}, got {new_length!r}")
+        blocks = self._blocks[seq_id]
+        keep = _blocks_for(new_length, self.block_size)
+        for b in blocks[keep:]:
+            self._unref(b)
+        del blocks[keep:]
+        self._lengths[seq_id] = new_length
+
+    def release(self, seq_id: Hashable) -> None:
+        """Forget a sequence and return the blocks no other sequence shares."""
+        self._require(seq_id, "seq_id")
+        for b in self._blocks.pop(seq_id):
+            self._unref(b)
+        del self._lengths[seq_id]
+
+    # ---- internals -------------------------------------------------------------------------
+    def _require(self, seq_id, arg: str) -> None:
+        try:
+            known = seq_id in self._lengths
+        except TypeError:
+            raise ValueError(f"{arg}: expected a hashable sequence id, got {type(seq_id).__name__}") from None
+        if not known:
+            raise ValueError(f"{arg}: unknown sequence {seq_id!r}")
+
+    def _check_requests(self, requests) -> list[tuple[Hashable, int]]:
+        try:
+            reqs = [(seq, n) for seq, n in requests]
+        except (TypeError, ValueError):
+            raise ValueError("requests: expected an iterable of (seq_id, num_new_tokens) pairs") from None
+        seen = set()
+        for seq, n in reqs:
+            try:
+                dup = seq in seen
+            except TypeError:
+                raise ValueError(f"requests: expected hashable seq_ids, got {type(seq).__name__}") from None
+            if dup:
+                raise ValueError(f"requests: sequence {seq!r} appears twice in one step")
+            seen.add(seq)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"requests: expected num_new_tokens an int >= 0 for {seq!r}, got {n!r}")
+            total = self._lengths.get(seq, 0) + n
+            if total > self.cfg.max_position_embeddings:
+                raise ValueError(f"requests: sequence {seq!r} would reach {total} tokens, past "
+                                 f"max_position_embeddings={self.cfg.max_position_embeddings}")
+        return reqs
+
+    def _cow_needed(self, blocks: list[int], old_length: int) -> bool:
+        return old_length % self.block_size != 0 and self._refs[blocks[-1]] > 1
+
+    def _alloc(self) -> int:
+        b = self._free.popleft()
+        self._refs[b] = 1
+        return b
+
+    def _unref(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            self._free.append(b)
+
+    def _copy_block(self, b: int) -> int:
+        new = self._alloc()
+        self.kv[:, new].copy_(self.kv[:, b])
+        self._unref(b)
+        return new
+
+    def _build_batch(self, reqs: list[tuple[Hashable, int]]) -> Batch:
+        bs = self.block_size
+        positions, slots, cu_q, cu_k, seqlens = [], [], [0], [0], []
+        max_blocks = max([len(self._blocks[s]) for s, _ in reqs] + [1])
+        table = []
+        for seq, n in reqs:
+            blocks = self._blocks[seq]
+            end = self._lengths[seq]
+            for p in range(end - n, end):
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            seqlens.append(end)
+            table.append(blocks + [0] * (max_blocks - len(blocks)))
+
+        def ints(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        return Batch(
+            seq_ids=tuple(s for s, _ in reqs),
+            num_cached=tuple(self._lengths[s] - n for s, n in reqs),
+            num_new=tuple(n for _, n in reqs),
+            positions=ints(positions, torch.int64), slot_mapping=ints(slots, torch.int64),
+            block_table=ints(table, torch.int32).view(len(reqs), max_blocks),
+            cache_seqlens=ints(seqlens, torch.int32), cu_seqlens_q=ints(cu_q, torch.int32),
+            cu_seqlens_k=ints(cu_k, torch.int32), block_size=bs, cache=self)

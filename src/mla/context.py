@@ -1,0 +1,88 @@
+"""Context strategies (prompt tokens): expanded ("MHA") attention.
+
+Keys are expanded from latents: kv_b_proj(c_kv) gives k_nope [H, dn] and v [H, dv] per
+row; k = [k_nope | k_pe] with the shared k_pe broadcast to every head.
+
+- prefill: no cached prefix; the fresh latents of the new tokens are the keys (causal).
+- cached:  the cache was written first; the prefix + new rows are gathered back from it,
+           expanded, and attended causally (ends aligned), several sequences per pass.
+- chunked: the prefix is gathered and expanded at most max_workspace_tokens rows at a
+           time (full mask), the new tokens then attend to themselves (causal), and the
+           partial results are merged by log-sum-exp.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .plan import Group, Pass
+
+__all__ = ["prefill", "cached", "chunked"]
+
+
+def _keys_values(layer, latent: torch.Tensor):
+    """latent rows [N, r + dr] -> k [N, H, dn + dr], v [N, H, dv] in the layer's dtype."""
+    cfg = layer.cfg
+    r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    latent = latent.to(layer.dtype)
+    kv = layer.expand_kv(latent[:, :r])                       # [N, H, dn + dv]
+    k = torch.empty(latent.shape[0], layer.num_local_heads, cfg.qk_head_dim, dtype=layer.dtype,
+                    device=latent.device)
+    k[..., :dn] = kv[..., :dn]
+    k[..., dn:] = latent[:, None, r:]
+    return k, kv[..., dn:]
+
+
+def prefill(layer, q, c_kv, k_pe, group: Group, batch, out):
+    """Expanded causal attention over the new tokens only (no cached prefix)."""
+    rows = group.rows
+    latent = torch.cat((c_kv[rows], k_pe[rows]), dim=-1)
+    k, v = _keys_values(layer, latent)
+    cu = batch.memo(("prefill_cu", tuple(group.seqs)), lambda: torch.tensor(
+        [0] + list(_cumsum(batch.num_new[b] for b in group.seqs)), dtype=torch.int32).to(batch.device))
+    o, _ = ops.prefill_attention(q[rows], k, v, cu, cu, layer.cfg.softmax_scale, causal=True,
+                                 backend=layer.op_backend)
+    out[rows] = o
+
+
+def cached(layer, q, p: Pass, kv_cache, out):
+    """Gather prefix + new rows of the pass's sequences, expand, attend causally."""
+    latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys,
+                               backend=layer.op_backend)
+    k, v = _keys_values(layer, latent)
+    o, _ = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, layer.cfg.softmax_scale,
+                                 causal=True, backend=layer.op_backend)
+    out[p.rows] = o
+
+
+def chunked(layer, q, c_kv, k_pe, group: Group, batch, kv_cache, out):
+    """Prefix chunks (full mask) then new tokens (causal), merged by log-sum-exp."""
+    scale, backend = layer.cfg.softmax_scale, layer.op_backend
+    position = {int(b): i for i, b in enumerate(group.seqs)}
+    offsets = [0] + list(_cumsum(batch.num_new[b] for b in group.seqs))
+    # the new tokens among themselves first: this also initialises every row's accumulator
+    acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group, batch, offsets)
+    for p in group.passes:
+        latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys, backend=backend)
+        k, v = _keys_values(layer, latent)
+        o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
+                                       backend=backend)
+        local = torch.cat([torch.arange(offsets[position[b]], offsets[position[b] + 1]) for b in p.seqs])
+        local = local.to(q.device)
+        acc_o[local], acc_lse[local] = ops.merge_attention(acc_o[local], acc_lse[local], o, lse, backend=backend)
+    out[group.rows] = acc_o
+
+
+def _self_attention(layer, q, c_kv, k_pe, group: Group, batch, offsets):
+    rows = group.rows
+    k, v = _keys_values(layer, torch.cat((c_kv[rows], k_pe[rows]), dim=-1))
+    cu = torch.tensor(offsets, dtype=torch.int32).to(q.device)
+    return ops.prefill_attention(q[rows], k, v, cu, cu, layer.cfg.softmax_scale, causal=True,
+                                 backend=layer.op_backend)
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total

@@ -1,0 +1,175 @@
+"""class MLA: the attention layer of DeepSeek-V2/V3 and Kimi K2 on a paged latent cache.
+
+Notation (DeepSeek-V2 paper; vLLM's MLA docstring uses the same):
+
+    D   hidden size           H   heads             rq  q_lora_rank (None: "lite")
+    r   kv_lora_rank (Lkv)    dn  qk_nope_head_dim  dr  qk_rope_head_dim   dv  v_head_dim
+    W_UK [H, dn, r], W_UV [H, dv, r]: the two halves of kv_b_proj, per head
+
+One step, for the T new tokens of a batch:
+
+    [q_a | kv_a] = x @ [W_qa | W_kva]^T               one GEMM (q_proj instead of q_a if lite)
+    q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
+    c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
+    rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
+    per sequence, by the plan (plan.py): expanded (context.py) or absorbed (decode.py)
+    out          = o_proj(attn [T, H * dv])
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import context, decode, ops
+from .batch import Batch
+from .config import MLAConfig
+from .plan import STRATEGIES, build_plan
+from .rope import cos_sin, inv_freq, query_temperature
+from .weights import read_hf_weights, split_kv_b
+
+__all__ = ["MLA"]
+
+LAYER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back, times weight (transformers' DeepseekV3RMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: MLAConfig, layer_idx: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None):
+        super().__init__()
+        if not isinstance(cfg, MLAConfig):
+            raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
+        if dtype not in LAYER_DTYPES:
+            raise ValueError(f"dtype: expected one of {LAYER_DTYPES}, got {dtype}")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+        if not isinstance(max_workspace_tokens, int) or max_workspace_tokens <= 0:
+            raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if parallel is not None:
+            raise ValueError("parallel: expected None (tensor/context parallelism is not built yet)")
+        self.cfg, self.layer_idx, self.dtype = cfg, layer_idx, dtype
+        self.op_backend = None if backend == "auto" else backend
+        self.max_workspace_tokens = max_workspace_tokens
+        self.force_strategy: str | None = None   # tests and benchmarks pin a strategy here
+        self.num_local_heads = H = cfg.num_heads
+        D, r, dv = cfg.hidden_size, cfg.kv_lora_rank, cfg.v_head_dim
+        self.q_dim = H * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+
+        def param(*shape):
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa fused: both read x, one GEMM
+        self.w_a = param(self.q_dim + cfg.kv_dim, D)
+        self.b_a = param(self.q_dim + cfg.kv_dim) if cfg.attention_bias else None
+        if cfg.q_lora_rank is not None:
+            self.q_a_norm = param(cfg.q_lora_rank)
+            self.w_q_b = param(H * cfg.qk_head_dim, cfg.q_lora_rank)
+        self.kv_a_norm = param(r)
+        self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
+        self.w_o = param(D, H * dv)
+        self.b_o = param(D) if cfg.attention_bias else None
+        self.register_buffer("inv_freq", inv_freq(cfg).to(device), persistent=False)
+        self.loaded = False
+
+    # W_UK [H, dn, r] and W_UV [H, dv, r]: views of kv_b_proj, derived once by weights.split_kv_b
+    @property
+    def W_UK(self) -> torch.Tensor:
+        return split_kv_b(self.w_kv_b, self.num_local_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim)[0]
+
+    @property
+    def W_UV(self) -> torch.Tensor:
+        return split_kv_b(self.w_kv_b, self.num_local_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim)[1]
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+        """Load one layer from HF names (``prefix + "q_a_proj.weight"``, ...); FP8 weights with
+        ``weight_scale_inv`` are dequantized. Every tensor is checked before any is copied."""
+        w = read_hf_weights(self.cfg, sd, prefix)
+        lite = self.cfg.q_lora_rank is None
+        self.w_a.copy_(torch.cat((w["q_proj.weight" if lite else "q_a_proj.weight"],
+                                  w["kv_a_proj_with_mqa.weight"]), 0))
+        if self.b_a is not None:
+            q_bias = torch.zeros(self.q_dim) if lite else w["q_a_proj.bias"]
+            self.b_a.copy_(torch.cat((q_bias.to(w["kv_a_proj_with_mqa.bias"]), w["kv_a_proj_with_mqa.bias"])))
+        if not lite:
+            self.q_a_norm.copy_(w["q_a_layernorm.weight"])
+            self.w_q_b.copy_(w["q_b_proj.weight"])
+        self.kv_a_norm.copy_(w["kv_a_layernorm.weight"])
+        self.w_kv_b.copy_(w["kv_b_proj.weight"])
+        self.w_o.copy_(w["o_proj.weight"])
+        if self.b_o is not None:
+            self.b_o.copy_(w["o_proj.bias"])
+        self.loaded = True
+
+    def expand_kv(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj: c_kv [N, r] -> [N, H, dn + dv]."""
+        return F.linear(c_kv, self.w_kv_b).view(c_kv.shape[0], self.num_local_heads, -1)
+
+    def _check(self, hidden_states: torch.Tensor, batch: Batch) -> None:
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batch: expected a mla.Batch from PagedLatentCache.prepare, got {type(batch).__name__}")
+        cache = batch.cache
+        if cache.cfg != self.cfg:
+            raise ValueError("batch: its cache was built for another MLAConfig")
+        if self.layer_idx >= cache.num_layers:
+            raise ValueError(f"layer_idx: {self.layer_idx} is past the cache's num_layers={cache.num_layers}")
+        expected = (batch.num_tokens, self.cfg.hidden_size)
+        if not isinstance(hidden_states, torch.Tensor) or tuple(hidden_states.shape) != expected:
+            got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+            raise ValueError(f"hidden_states: expected shape {expected} (tokens of the batch, hidden), got {got}")
+        if hidden_states.dtype != self.dtype:
+            raise ValueError(f"hidden_states: expected dtype {self.dtype}, got {hidden_states.dtype}")
+        if hidden_states.device != self.w_a.device or cache.device != self.w_a.device:
+            raise ValueError(f"hidden_states: expected device {self.w_a.device}, got {hidden_states.device} "
+                             f"(cache on {cache.device})")
+        if not self.loaded:
+            raise ValueError("weights: call load_hf_state_dict before the first forward")
+        if self.force_strategy is not None and self.force_strategy not in STRATEGIES:
+            raise ValueError(f"force_strategy: expected one of {STRATEGIES} or None, got {self.force_strategy!r}")
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """hidden_states [T, D] (T = batch.num_tokens, rows in the batch's sequence order) -> [T, D]."""
+        self._check(hidden_states, batch)
+        cfg, H, T = self.cfg, self.num_local_heads, batch.num_tokens
+        r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        a = F.linear(hidden_states, self.w_a, self.b_a)
+        if cfg.q_lora_rank is None:
+            q = a[:, : self.q_dim]
+        else:
+            q = F.linear(rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps), self.w_q_b)
+        q = q.reshape(T, H, cfg.qk_head_dim)
+        c_kv = rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps)
+        k_pe = a[:, self.q_dim + r:]
+
+        cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))
+        kv_cache = batch.cache.layer(self.layer_idx)
+        ops.rope_append(q[..., dn:], k_pe, c_kv, cos, sin, kv_cache, batch.slot_mapping, cfg.rope_interleave,
+                        backend=self.op_backend)
+        temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
+        if temperature is not None:
+            q = (q.float() * temperature[:, None, None]).to(q.dtype)
+
+        plan = batch.memo(("plan", cfg, self.max_workspace_tokens, self.force_strategy),
+                          lambda: build_plan(batch, cfg, self.max_workspace_tokens, self.force_strategy))
+        attn = torch.empty(T, H, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
+        if plan.prefill is not None:
+            context.prefill(self, q, c_kv, k_pe, plan.prefill, batch, attn)
+        for p in plan.cached:
+            context.cached(self, q, p, kv_cache, attn)
+        if plan.chunked is not None:
+            context.chunked(self, q, c_kv, k_pe, plan.chunked, batch, kv_cache, attn)
+        for group in plan.absorbed:
+            decode.absorbed(self, q, group, kv_cache, attn)
+        return F.linear(attn.reshape(T, H * cfg.v_head_dim), self.w_o, self.b_o)

@@ -1,0 +1,153 @@
+"""The per-step plan: which strategy serves each sequence, and the index tensors each
+strategy needs. Built once per step (``Batch.memo``) and shared by every layer.
+
+The cost rule (DESIGN.md section 2), per sequence with c cached and n new tokens:
+
+- n == 0: nothing to do.
+- c == 0: **prefill**, expanded attention over the n new tokens (causal).
+- c > 0 and n <= absorb_max_new(cfg): **absorbed** (latent MQA over the paged cache).
+  Per key row the absorbed path costs 2*H*n*(r + dr + r) FLOPs against the expanded
+  path's 2*H*(r*(dn + dv) + n*(dn + dr + dv)); they cross at
+  n* = r*(dn + dv) / (2r + dr - dn - dr - dv) (170 for DeepSeek-V3: 512*256 / 768).
+  Decode rows (1 token, or 1 + k draft tokens) are always below it.
+- c > 0, larger n, c <= max_workspace_tokens: **cached**, expanded attention over the
+  gathered prefix + new rows (causal, ends aligned). Sequences are packed into passes
+  whose prefixes together fit the workspace.
+- c > max_workspace_tokens: **chunked**, the prefix expanded chunk by chunk (full mask),
+  then the new tokens among themselves (causal), merged by log-sum-exp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import Batch
+from .config import MLAConfig
+
+__all__ = ["STRATEGIES", "absorb_max_new", "choose_strategy", "Plan", "Group", "Pass", "build_plan"]
+
+STRATEGIES = ("prefill", "cached", "chunked", "absorbed")
+
+
+def absorb_max_new(cfg: MLAConfig) -> int:
+    """Largest n for which absorbed attention over a cached prefix costs fewer FLOPs."""
+    r, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    extra_per_query = 2 * r + dr - (dn + dr + dv)   # absorbed minus expanded attention width
+    if extra_per_query <= 0:
+        return 1 << 30
+    return max(1, (r * (dn + dv)) // extra_per_query)
+
+
+def choose_strategy(cfg: MLAConfig, num_cached: int, num_new: int, max_workspace_tokens: int) -> str | None:
+    if num_new == 0:
+        return None
+    if num_cached == 0:
+        return "prefill"
+    if num_new <= absorb_max_new(cfg):
+        return "absorbed"
+    return "cached" if num_cached <= max_workspace_tokens else "chunked"
+
+
+@dataclass
+class Pass:
+    """One attention call of a context strategy: queries of `seqs`, keys of their segments."""
+    seqs: list[int]                 # batch indices
+    rows: torch.Tensor              # [Tq] int64 token rows of the queries
+    cu_seqlens_q: torch.Tensor      # [len(seqs) + 1] int32
+    cu_seqlens_k: torch.Tensor      # [len(seqs) + 1] int32
+    starts: torch.Tensor            # [len(seqs)] int32 first token of each key segment
+    block_table: torch.Tensor       # [len(seqs), max_blocks] int32
+    num_keys: int
+
+
+@dataclass
+class Group:
+    seqs: list[int]
+    rows: torch.Tensor              # [Tg] int64 token rows of the group, sequence order
+    s_q: int = 0                    # absorbed: tokens per sequence
+    block_table: torch.Tensor | None = None
+    cache_seqlens: torch.Tensor | None = None
+    passes: list[Pass] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    strategy: list[str | None]      # per sequence of the batch
+    prefill: Group | None = None
+    cached: list[Pass] = field(default_factory=list)
+    chunked: Group | None = None    # its passes hold the prefix chunks; new tokens are a final pass
+    absorbed: list[Group] = field(default_factory=list)
+
+
+def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None) -> Plan:
+    """Assign every sequence a strategy (``force`` overrides the rule where it applies) and
+    build the index tensors of each group once."""
+    dev = batch.device
+    offsets = batch.token_offsets()
+    strategy = []
+    for c, n in zip(batch.num_cached, batch.num_new):
+        s = choose_strategy(cfg, c, n, max_workspace_tokens)
+        if force is not None and s is not None and (c > 0 or force == "prefill"):
+            s = "chunked" if force == "cached" and c > max_workspace_tokens else force
+        strategy.append(s)
+    plan = Plan(strategy)
+
+    def ints(x, dtype=torch.int32):
+        return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+    def rows_of(seqs):
+        return ints([t for b in seqs for t in range(offsets[b], offsets[b + 1])], torch.int64)
+
+    def cumsum(xs):
+        out = [0]
+        for x in xs:
+            out.append(out[-1] + x)
+        return out
+
+    def make_pass(seqs, starts, lens):
+        return Pass(seqs=seqs, rows=rows_of(seqs), cu_seqlens_q=ints(cumsum(batch.num_new[b] for b in seqs)),
+                    cu_seqlens_k=ints(cumsum(lens)), starts=ints(starts),
+                    block_table=batch.block_table[ints(seqs, torch.int64)], num_keys=sum(lens))
+
+    by = {s: [b for b, x in enumerate(strategy) if x == s] for s in STRATEGIES}
+    if by["prefill"]:
+        plan.prefill = Group(by["prefill"], rows_of(by["prefill"]))
+    # cached: pack whole sequences into passes whose prefixes fit the workspace
+    current, used = [], 0
+    for b in by["cached"]:
+        c = batch.num_cached[b]
+        if current and used + c > max_workspace_tokens:
+            plan.cached.append(make_pass(current, [0] * len(current), [batch.num_cached[x] + batch.num_new[x] for x in current]))
+            current, used = [], 0
+        current.append(b)
+        used += c
+    if current:
+        plan.cached.append(make_pass(current, [0] * len(current), [batch.num_cached[x] + batch.num_new[x] for x in current]))
+    # chunked: prefix segments of all its sequences, max_workspace_tokens rows per pass
+    if by["chunked"]:
+        group = Group(by["chunked"], rows_of(by["chunked"]))
+        segments = []   # (batch index, start, length)
+        for b in by["chunked"]:
+            for s in range(0, batch.num_cached[b], max_workspace_tokens):
+                segments.append((b, s, min(max_workspace_tokens, batch.num_cached[b] - s)))
+        chunk = []
+        for seg in segments:
+            if chunk and sum(x[2] for x in chunk) + seg[2] > max_workspace_tokens:
+                group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
+                chunk = []
+            # one segment per sequence per pass keeps each pass a plain varlen call
+            if any(x[0] == seg[0] for x in chunk):
+                group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
+                chunk = []
+            chunk.append(seg)
+        if chunk:
+            group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
+        plan.chunked = group
+    # absorbed: one decode call per distinct number of new tokens
+    for s_q in sorted({batch.num_new[b] for b in by["absorbed"]}):
+        seqs = [b for b in by["absorbed"] if batch.num_new[b] == s_q]
+        idx = ints(seqs, torch.int64)
+        plan.absorbed.append(Group(seqs, rows_of(seqs), s_q=s_q, block_table=batch.block_table[idx],
+                                   cache_seqlens=batch.cache_seqlens[idx]))
+    return plan

@@ -1,0 +1,87 @@
+"""Hugging Face checkpoint names -> the layer's parameters.
+
+The one place that knows checkpoint layouts:
+
+- ``kv_b_proj.weight`` is [H * (dn + dv), r], grouped by head: for each head, dn rows of
+  K then dv rows of V. ``split_kv_b`` turns it into W_UK [H, dn, r] and W_UV [H, dv, r].
+- FP8 checkpoints (DeepSeek-V3, Kimi K2) store ``weight`` as float8_e4m3fn with a float32
+  ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]: block (i, j) dequantizes as w * scale.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .config import MLAConfig
+
+__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8"]
+
+FP8_BLOCK = 128
+
+
+def hf_weight_shapes(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every tensor of one attention layer, by HF name (no prefix)."""
+    H, D = cfg.num_heads, cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj.weight"] = (H * cfg.qk_head_dim, D)
+    else:
+        shapes["q_a_proj.weight"] = (cfg.q_lora_rank, D)
+        shapes["q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes["q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
+    shapes["kv_a_proj_with_mqa.weight"] = (cfg.kv_dim, D)
+    shapes["kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    shapes["kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    shapes["o_proj.weight"] = (D, H * cfg.v_head_dim)
+    if cfg.attention_bias:
+        if cfg.q_lora_rank is not None:
+            shapes["q_a_proj.bias"] = (cfg.q_lora_rank,)
+        shapes["kv_a_proj_with_mqa.bias"] = (cfg.kv_dim,)
+        shapes["o_proj.bias"] = (D,)
+    return shapes
+
+
+def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """float8 weight [out, in] with scale [ceil(out/block), ceil(in/block)] -> float32 [out, in].
+
+    Each block x block tile is multiplied by its scale; tiles past the edge are partial.
+    """
+    out_f, in_f = weight.shape
+    expected = (-(-out_f // block), -(-in_f // block))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv: expected shape {expected} for a weight of shape "
+                         f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}")
+    s = scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+    return weight.float() * s
+
+
+def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of one layer from a state dict, checked and dequantized (float32 where FP8).
+
+    Raises ValueError naming the first missing or mis-shaped tensor, before anything is loaded.
+    """
+    out = {}
+    for name, shape in hf_weight_shapes(cfg).items():
+        key = prefix + name
+        if key not in sd:
+            raise ValueError(f"state dict: expected tensor {key!r} of shape {shape}, it is missing")
+        t = sd[key]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"state dict: expected {key!r} of shape {shape}, got {got}")
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_key = key[: -len("weight")] + "weight_scale_inv"
+            if scale_key not in sd:
+                raise ValueError(f"state dict: expected {scale_key!r} beside the FP8 tensor {key!r}")
+            t = dequant_block_fp8(t, sd[scale_key])
+        elif not t.is_floating_point():
+            raise ValueError(f"state dict: expected a floating-point {key!r}, got {t.dtype}")
+        out[name] = t
+    return out
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
+    """kv_b_proj.weight [H * (dn + dv), r] -> (W_UK [H, dn, r], W_UV [H, dv, r]), views."""
+    w = kv_b_weight.view(num_heads, qk_nope_head_dim + v_head_dim, -1)
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
