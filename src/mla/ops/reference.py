@@ -107,9 +107,11 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     """
     lse = torch.logaddexp(lse_a, lse_b)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), 0.0)
-    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)
-    out = out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)
+    # an empty part contributes nothing, whatever its out holds (even NaN)
+    fa, fb = torch.isfinite(lse_a).unsqueeze(-1), torch.isfinite(lse_b).unsqueeze(-1)
+    wa = torch.exp(lse_a - safe).unsqueeze(-1)
+    wb = torch.exp(lse_b - safe).unsqueeze(-1)
+    out = torch.where(fa, out_a.float() * wa, 0.0) + torch.where(fb, out_b.float() * wb, 0.0)
     return out.to(out_a.dtype), lse
 
 
