@@ -4,6 +4,7 @@ from .batch import Batch
 from .cache import CacheFullError, PagedLatentCache
 from .config import MLAConfig, RopeScaling
 from .layer import MLA
+from .parallel import Parallel
 
-__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "ops"]
+__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "Parallel", "ops"]
 __version__ = "0.1.0"

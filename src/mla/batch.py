@@ -20,9 +20,10 @@ class Batch:
     num_cached: tuple[int, ...]          # c: tokens in the cache before this step
     num_new: tuple[int, ...]             # n: tokens this step brings
     positions: torch.Tensor              # [T] int64, position of every new token
-    slot_mapping: torch.Tensor           # [T] int64, flat cache slot (block * block_size + offset)
-    block_table: torch.Tensor            # [B, max_blocks] int32, padded with 0
-    cache_seqlens: torch.Tensor          # [B] int32, c + n
+    slot_mapping: torch.Tensor           # [T] int64, flat cache slot (block * block_size + offset);
+                                         # -1 where another CP rank stores the token
+    block_table: torch.Tensor            # [B, max_blocks] int32 of this rank's blocks, padded with 0
+    cache_seqlens: torch.Tensor          # [B] int32, c + n (tokens this CP rank stores, under CP)
     cu_seqlens_q: torch.Tensor           # [B + 1] int32, offsets of the new tokens
     cu_seqlens_k: torch.Tensor           # [B + 1] int32, offsets of all tokens (c + n)
     block_size: int

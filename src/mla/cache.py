@@ -18,6 +18,7 @@ import torch
 
 from .batch import Batch
 from .config import MLAConfig
+from .parallel import Parallel
 
 __all__ = ["PagedLatentCache", "CacheFullError"]
 
@@ -32,6 +33,11 @@ def _blocks_for(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
+def _owned(num_global_blocks: int, cp_size: int, cp_rank: int) -> int:
+    """How many of global blocks 0 .. num_global_blocks - 1 fall on cp_rank (j % cp_size)."""
+    return max(0, -(-(num_global_blocks - cp_rank) // cp_size))
+
+
 class PagedLatentCache:
     def __init__(self, cfg: MLAConfig, num_layers: int = 1, num_blocks: int = 256, block_size: int = 64,
                  dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None):
@@ -42,9 +48,12 @@ class PagedLatentCache:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype}")
-        if parallel is not None:
-            raise ValueError("parallel: expected None (tensor/context parallelism is not built yet)")
-        self.cfg = cfg
+        if parallel is not None and not isinstance(parallel, Parallel):
+            raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
+        self.cfg, self.parallel = cfg, parallel
+        # Helix CP: global block j of every sequence lives on CP rank j % cp_size
+        self.cp_size = parallel.cp_size if parallel is not None else 1
+        self.cp_rank = parallel.cp_rank if parallel is not None else 0
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.kv = torch.zeros(num_layers, num_blocks, block_size, cfg.kv_dim, dtype=dtype, device=self.device)
@@ -63,6 +72,15 @@ class PagedLatentCache:
     def length(self, seq_id: Hashable) -> int:
         self._require(seq_id, "seq_id")
         return self._lengths[seq_id]
+
+    def local_tokens(self, num_tokens: int) -> int:
+        """Of a sequence's first num_tokens tokens, how many this CP rank stores."""
+        bs = self.block_size
+        full, rem = divmod(num_tokens, bs)
+        return _owned(full, self.cp_size, self.cp_rank) * bs + (rem if full % self.cp_size == self.cp_rank else 0)
+
+    def _local_blocks(self, length: int) -> int:
+        return _owned(_blocks_for(length, self.block_size), self.cp_size, self.cp_rank)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._lengths
@@ -89,7 +107,7 @@ class PagedLatentCache:
         for seq, n in reqs:
             old = self._lengths.get(seq, 0)
             blocks = self._blocks.get(seq, [])
-            need += _blocks_for(old + n, self.block_size) - len(blocks)
+            need += self._local_blocks(old + n) - len(blocks)
             if n > 0 and self._cow_needed(blocks, old):
                 need += 1
         if need > len(self._free):
@@ -101,7 +119,7 @@ class PagedLatentCache:
             blocks = self._blocks.setdefault(seq, [])
             if n > 0 and self._cow_needed(blocks, old):
                 blocks[-1] = self._copy_block(blocks[-1])
-            while len(blocks) < _blocks_for(old + n, self.block_size):
+            while len(blocks) < self._local_blocks(old + n):
                 blocks.append(self._alloc())
             self._lengths[seq] = old + n
         return self._build_batch(reqs)
@@ -124,7 +142,7 @@ class PagedLatentCache:
         if not isinstance(new_length, int) or isinstance(new_length, bool) or not 0 <= new_length <= length:
             raise ValueError(f"new_length: expected an int in 0..{length} for {seq_id!r}, got {new_length!r}")
         blocks = self._blocks[seq_id]
-        keep = _blocks_for(new_length, self.block_size)
+        keep = self._local_blocks(new_length)
         for b in blocks[keep:]:
             self._unref(b)
         del blocks[keep:]
@@ -169,7 +187,10 @@ class PagedLatentCache:
         return reqs
 
     def _cow_needed(self, blocks: list[int], old_length: int) -> bool:
-        return old_length % self.block_size != 0 and self._refs[blocks[-1]] > 1
+        """The next write lands in a partly filled block that is ours and shared."""
+        last = (old_length - 1) // self.block_size
+        return (old_length % self.block_size != 0 and last % self.cp_size == self.cp_rank
+                and self._refs[blocks[-1]] > 1)
 
     def _alloc(self) -> int:
         b = self._free.popleft()
@@ -197,10 +218,11 @@ class PagedLatentCache:
             end = self._lengths[seq]
             for p in range(end - n, end):
                 positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
+                j = p // bs   # global block; -1: another CP rank stores this token
+                slots.append(blocks[j // self.cp_size] * bs + p % bs if j % self.cp_size == self.cp_rank else -1)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + end)
-            seqlens.append(end)
+            seqlens.append(self.local_tokens(end))
             table.append(blocks + [0] * (max_blocks - len(blocks)))
 
         def ints(x, dtype):

@@ -26,7 +26,7 @@ def _keys_values(layer, latent: torch.Tensor):
     r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
     latent = latent.to(layer.dtype)
     kv = layer.expand_kv(latent[:, :r])                       # [N, H, dn + dv]
-    k = torch.empty(latent.shape[0], layer.num_local_heads, cfg.qk_head_dim, dtype=layer.dtype,
+    k = torch.empty(latent.shape[0], layer.num_slice_heads, cfg.qk_head_dim, dtype=layer.dtype,
                     device=latent.device)
     k[..., :dn] = kv[..., :dn]
     k[..., dn:] = latent[:, None, r:]

@@ -30,16 +30,37 @@ def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tenso
     return q
 
 
+def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, r] @ W_UV^T per head -> [T, H, dv]."""
+    return torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2)).transpose(0, 1)
+
+
 def absorbed(layer, q, group: Group, kv_cache, out):
-    """Absorbed attention for the group's sequences, all with group.s_q new tokens."""
-    cfg = layer.cfg
+    """Absorbed attention for the group's sequences, all with group.s_q new tokens.
+
+    Writes out[group.rows] for this rank's head slice. Under Helix CP the attention over
+    this rank's share of the cache is a partial, combined with the other ranks' by LSE.
+    """
+    cfg, par = layer.cfg, layer.parallel
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     rows = group.rows
     qg = q[rows]
-    q_full = absorb_query(layer, qg[..., :dn], qg[..., dn:])
     B, s_q, H = len(group.seqs), group.s_q, layer.num_local_heads
-    q_full = q_full.view(B, s_q, H, -1)
-    o_lat, _ = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r,
-                              cfg.softmax_scale, causal=True, backend=layer.op_backend)
-    o_lat = o_lat.view(B * s_q, H, r).to(layer.dtype)
-    out[rows] = torch.bmm(o_lat.transpose(0, 1), layer.W_UV.transpose(1, 2)).transpose(0, 1)
+    q_full = absorb_query(layer, qg[..., :dn], qg[..., dn:]).view(B, s_q, H, -1)
+    if group.query_seqlens is None:
+        o_lat, lse = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r,
+                                    cfg.softmax_scale, causal=True, backend=layer.op_backend)
+    else:   # one query at a time, each with the rows of this rank it may see
+        parts = [ops.mla_decode(q_full[:, i: i + 1].contiguous(), kv_cache, group.block_table, seqlens, r, cfg.softmax_scale,
+                                causal=True, backend=layer.op_backend) for i, seqlens in enumerate(group.query_seqlens)]
+        o_lat, lse = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    o_lat, lse = o_lat.reshape(B * s_q, H, r).to(layer.dtype), lse.reshape(B * s_q, H)
+    if par is None or par.cp_size == 1:
+        out[rows] = apply_uv(o_lat, layer.W_UV)
+        return
+    o = apply_uv(o_lat, layer.W_UV) if par.v_before_exchange else o_lat
+    parts_o, parts_lse = par.helix_exchange(o, lse)
+    o, lse = parts_o[0], parts_lse[0]
+    for j in range(1, par.cp_size):
+        o, lse = ops.merge_attention(o, lse, parts_o[j], parts_lse[j], backend=layer.op_backend)
+    out[rows] = o if par.v_before_exchange else apply_uv(o, layer.W_UV_slice)

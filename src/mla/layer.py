@@ -26,6 +26,7 @@ from torch import nn
 from . import context, decode, ops
 from .batch import Batch
 from .config import MLAConfig
+from .parallel import Parallel, shard_hf_weights
 from .plan import STRATEGIES, build_plan
 from .rope import cos_sin, inv_freq, query_temperature
 from .weights import read_hf_weights, split_kv_b
@@ -57,12 +58,18 @@ class MLA(nn.Module):
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
         if parallel is not None:
-            raise ValueError("parallel: expected None (tensor/context parallelism is not built yet)")
-        self.cfg, self.layer_idx, self.dtype = cfg, layer_idx, dtype
+            if not isinstance(parallel, Parallel):
+                raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
+            parallel.check_heads(cfg.num_heads)
+        self.cfg, self.layer_idx, self.dtype, self.parallel = cfg, layer_idx, dtype, parallel
         self.op_backend = None if backend == "auto" else backend
         self.max_workspace_tokens = max_workspace_tokens
         self.force_strategy: str | None = None   # tests and benchmarks pin a strategy here
-        self.num_local_heads = H = cfg.num_heads
+        tp, cp = (parallel.tp_size, parallel.cp_size) if parallel is not None else (1, 1)
+        # H: this rank's TP heads (q, W_UK, W_UV); H_s: its slice of them under CP (o_proj, context)
+        self.num_local_heads = H = cfg.num_heads // tp
+        self.num_slice_heads = H // cp
+        self.slice_start = (parallel.cp_rank if parallel is not None else 0) * self.num_slice_heads
         D, r, dv = cfg.hidden_size, cfg.kv_lora_rank, cfg.v_head_dim
         self.q_dim = H * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
 
@@ -77,7 +84,7 @@ class MLA(nn.Module):
             self.w_q_b = param(H * cfg.qk_head_dim, cfg.q_lora_rank)
         self.kv_a_norm = param(r)
         self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
-        self.w_o = param(D, H * dv)
+        self.w_o = param(D, self.num_slice_heads * dv)
         self.b_o = param(D) if cfg.attention_bias else None
         self.register_buffer("inv_freq", inv_freq(cfg).to(device), persistent=False)
         self.loaded = False
@@ -91,11 +98,15 @@ class MLA(nn.Module):
     def W_UV(self) -> torch.Tensor:
         return split_kv_b(self.w_kv_b, self.num_local_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim)[1]
 
+    @property
+    def W_UV_slice(self) -> torch.Tensor:
+        return self.W_UV[self.slice_start: self.slice_start + self.num_slice_heads]
+
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], prefix: str = "") -> None:
         """Load one layer from HF names (``prefix + "q_a_proj.weight"``, ...); FP8 weights with
         ``weight_scale_inv`` are dequantized. Every tensor is checked before any is copied."""
-        w = read_hf_weights(self.cfg, sd, prefix)
+        w = shard_hf_weights(read_hf_weights(self.cfg, sd, prefix), self.cfg, self.parallel)
         lite = self.cfg.q_lora_rank is None
         self.w_a.copy_(torch.cat((w["q_proj.weight" if lite else "q_a_proj.weight"],
                                   w["kv_a_proj_with_mqa.weight"]), 0))
@@ -113,8 +124,10 @@ class MLA(nn.Module):
         self.loaded = True
 
     def expand_kv(self, c_kv: torch.Tensor) -> torch.Tensor:
-        """kv_b_proj: c_kv [N, r] -> [N, H, dn + dv]."""
-        return F.linear(c_kv, self.w_kv_b).view(c_kv.shape[0], self.num_local_heads, -1)
+        """kv_b_proj for this rank's head slice: c_kv [N, r] -> [N, H_s, dn + dv]."""
+        rows = self.w_kv_b.shape[0] // self.num_local_heads
+        w = self.w_kv_b[self.slice_start * rows: (self.slice_start + self.num_slice_heads) * rows]
+        return F.linear(c_kv, w).view(c_kv.shape[0], self.num_slice_heads, -1)
 
     def _check(self, hidden_states: torch.Tensor, batch: Batch) -> None:
         if not isinstance(batch, Batch):
@@ -163,13 +176,18 @@ class MLA(nn.Module):
 
         plan = batch.memo(("plan", cfg, self.max_workspace_tokens, self.force_strategy),
                           lambda: build_plan(batch, cfg, self.max_workspace_tokens, self.force_strategy))
-        attn = torch.empty(T, H, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
+        Hs = self.num_slice_heads
+        attn = torch.empty(T, Hs, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
+        q_slice = q[:, self.slice_start: self.slice_start + Hs]     # the context paths' heads
         if plan.prefill is not None:
-            context.prefill(self, q, c_kv, k_pe, plan.prefill, batch, attn)
+            context.prefill(self, q_slice, c_kv, k_pe, plan.prefill, batch, attn)
         for p in plan.cached:
-            context.cached(self, q, p, kv_cache, attn)
+            context.cached(self, q_slice, p, kv_cache, attn)
         if plan.chunked is not None:
-            context.chunked(self, q, c_kv, k_pe, plan.chunked, batch, kv_cache, attn)
+            context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, batch, kv_cache, attn)
         for group in plan.absorbed:
             decode.absorbed(self, q, group, kv_cache, attn)
-        return F.linear(attn.reshape(T, H * cfg.v_head_dim), self.w_o, self.b_o)
+        out = F.linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o)
+        if self.parallel is not None:
+            self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks
+        return out if self.b_o is None else out + self.b_o

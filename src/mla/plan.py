@@ -68,6 +68,8 @@ class Group:
     s_q: int = 0                    # absorbed: tokens per sequence
     block_table: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
+    # Helix CP with s_q > 1: query i sees this rank's first query_seqlens[i][b] rows
+    query_seqlens: list[torch.Tensor] | None = None
     passes: list[Pass] = field(default_factory=list)
 
 
@@ -82,7 +84,12 @@ class Plan:
 
 def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None) -> Plan:
     """Assign every sequence a strategy (``force`` overrides the rule where it applies) and
-    build the index tensors of each group once."""
+    build the index tensors of each group once.
+
+    Under Helix CP (the batch's cache split over cp ranks) a cached prefix is never whole on
+    one rank: every sequence with one takes the absorbed path, whose partials the ranks combine.
+    """
+    cp_size = batch.cache.cp_size
     dev = batch.device
     offsets = batch.token_offsets()
     strategy = []
@@ -90,6 +97,8 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         s = choose_strategy(cfg, c, n, max_workspace_tokens)
         if force is not None and s is not None and (c > 0 or force == "prefill"):
             s = "chunked" if force == "cached" and c > max_workspace_tokens else force
+        if cp_size > 1 and s in ("cached", "chunked"):
+            s = "absorbed"
         strategy.append(s)
     plan = Plan(strategy)
 
@@ -148,6 +157,11 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
     for s_q in sorted({batch.num_new[b] for b in by["absorbed"]}):
         seqs = [b for b in by["absorbed"] if batch.num_new[b] == s_q]
         idx = ints(seqs, torch.int64)
-        plan.absorbed.append(Group(seqs, rows_of(seqs), s_q=s_q, block_table=batch.block_table[idx],
-                                   cache_seqlens=batch.cache_seqlens[idx]))
+        group = Group(seqs, rows_of(seqs), s_q=s_q, block_table=batch.block_table[idx],
+                      cache_seqlens=batch.cache_seqlens[idx])
+        if cp_size > 1 and s_q > 1:
+            # a rank's rows are not contiguous in position: count what each query may see
+            local = batch.cache.local_tokens
+            group.query_seqlens = [ints([local(batch.num_cached[b] + i + 1) for b in seqs]) for i in range(s_q)]
+        plan.absorbed.append(group)
     return plan

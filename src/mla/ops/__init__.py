@@ -136,7 +136,7 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     q_pe [T, H, dr] and k_pe [T, dr] are rotated in place by cos, sin [T, dr/2] float32
     (interleaved pairs (2i, 2i+1) or neox pairs (i, i + dr/2)); rows [c_kv | rope(k_pe)]
     (c_kv [T, r]) are written to kv_cache [num_blocks, block_size, r + dr] at the flat
-    slots slot_mapping [T] int64. Returns None.
+    slots slot_mapping [T] int64 (negative slots are skipped). Returns None.
     """
     T = c_kv.shape[0]
     _check(q_pe.dim() == 3 and q_pe.shape[0] == T, f"q_pe: expected [{T}, H, dr], got {_describe(q_pe)}")

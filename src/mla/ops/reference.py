@@ -118,14 +118,16 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
     """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32), and
     write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
-    block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset).
+    block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset;
+    a negative slot is not written).
     """
     from ..rope import apply_rope
 
     q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
     k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slot_mapping] = torch.cat((c_kv, k_pe), dim=-1).to(kv_cache.dtype)
+    keep = slot_mapping >= 0   # a negative slot: the token is stored elsewhere (another CP rank)
+    flat[slot_mapping[keep]] = torch.cat((c_kv, k_pe), dim=-1)[keep].to(kv_cache.dtype)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):
