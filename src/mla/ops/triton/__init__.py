@@ -11,6 +11,19 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 
+_interpreted_library: dict = {}
+
+
+def _call_interpreted(self, *args, **kwargs):
+    """JITFunction.__call__ while an interpreted kernel runs: Triton's own jit functions
+    (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are compiled JITFunctions here, so run them
+    through the interpreter too."""
+    fn = _interpreted_library.get(self.fn)
+    if fn is None:
+        fn = _interpreted_library[self.fn] = InterpretedFunction(self.fn)
+    return fn(*args, **kwargs)
+
+
 class _DualKernel(JITFunction):
     """A JITFunction that hands CPU-tensor launches (and calls from interpreted
     kernels) to an InterpretedFunction of the same Python function."""
@@ -24,7 +37,12 @@ class _DualKernel(JITFunction):
 
         on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
         if on_cpu:
-            return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+            plain_call = JITFunction.__call__
+            JITFunction.__call__ = _call_interpreted
+            try:
+                return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                JITFunction.__call__ = plain_call
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
     def __call__(self, *args, **kwargs):  # a device-function call inside an interpreted kernel
