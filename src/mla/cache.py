@@ -17,12 +17,14 @@ from typing import Hashable, Iterable
 import torch
 
 from .batch import Batch
+from . import quant
 from .config import MLAConfig
 from .parallel import Parallel
 
 __all__ = ["PagedLatentCache", "CacheFullError"]
 
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+FP8_SCALINGS = ("tensor", "tile")
 
 
 class CacheFullError(ValueError):
@@ -40,7 +42,11 @@ def _owned(num_global_blocks: int, cp_size: int, cp_rank: int) -> int:
 
 class PagedLatentCache:
     def __init__(self, cfg: MLAConfig, num_layers: int = 1, num_blocks: int = 256, block_size: int = 64,
-                 dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None):
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, *,
+                 fp8_scaling: str = "tensor", kv_scale: float = 1.0):
+        """dtype float8_e4m3fn stores FP8 rows: ``fp8_scaling="tensor"`` one scale ``kv_scale`` for
+        the whole cache (576 bytes a token for DeepSeek-V3), ``"tile"`` FlashMLA's row with a
+        float32 scale per 128 latent values and k_pe in bf16 (656 bytes); see mla.quant."""
         if not isinstance(cfg, MLAConfig):
             raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
@@ -48,6 +54,13 @@ class PagedLatentCache:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype}")
+        if fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_scaling: expected one of {FP8_SCALINGS}, got {fp8_scaling!r}")
+        if not (isinstance(kv_scale, (int, float)) and kv_scale > 0):
+            raise ValueError(f"kv_scale: expected a positive float, got {kv_scale!r}")
+        if dtype == torch.float8_e4m3fn and fp8_scaling == "tile" and cfg.kv_lora_rank % quant.TILE:
+            raise ValueError(f"fp8_scaling: 'tile' needs kv_lora_rank a multiple of {quant.TILE}, "
+                             f"got {cfg.kv_lora_rank}")
         if parallel is not None and not isinstance(parallel, Parallel):
             raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
         self.cfg, self.parallel = cfg, parallel
@@ -56,7 +69,11 @@ class PagedLatentCache:
         self.cp_rank = parallel.cp_rank if parallel is not None else 0
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
-        self.kv = torch.zeros(num_layers, num_blocks, block_size, cfg.kv_dim, dtype=dtype, device=self.device)
+        self.format = "plain" if dtype != torch.float8_e4m3fn else ("fp8" if fp8_scaling == "tensor" else "fp8_tile")
+        self.kv_scale = float(kv_scale)
+        width = quant.row_width(self.format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.kv = torch.zeros(num_layers, num_blocks, block_size, width, device=self.device,
+                              dtype=quant.storage_dtype(self.format, dtype))
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._blocks: dict[Hashable, list[int]] = {}
@@ -64,7 +81,7 @@ class PagedLatentCache:
 
     # ---- queries ---------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
-        """The cache of one layer: [num_blocks, block_size, r + dr]."""
+        """The cache of one layer: [num_blocks, block_size, row width] (r + dr for plain and fp8)."""
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected 0..{self.num_layers - 1}, got {layer_idx}")
         return self.kv[layer_idx]

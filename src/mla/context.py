@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import ops, quant
 from .plan import Group, Pass
 
 __all__ = ["prefill", "cached", "chunked"]
+
+
+def _values(layer, stored: torch.Tensor, cache) -> torch.Tensor:
+    """Gathered cache rows -> latent values in the layer's dtype (FP8 rows: only this chunk)."""
+    return quant.dequantize_rows(stored, cache.format, layer.cfg.kv_lora_rank, layer.dtype, cache.kv_scale)
 
 
 def _keys_values(layer, latent: torch.Tensor):
@@ -45,11 +50,11 @@ def prefill(layer, q, c_kv, k_pe, group: Group, batch, out):
     out[rows] = o
 
 
-def cached(layer, q, p: Pass, kv_cache, out):
+def cached(layer, q, p: Pass, kv_cache, cache, out):
     """Gather prefix + new rows of the pass's sequences, expand, attend causally."""
     latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys,
                                backend=layer.op_backend)
-    k, v = _keys_values(layer, latent)
+    k, v = _keys_values(layer, _values(layer, latent, cache))
     o, _ = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, layer.cfg.softmax_scale,
                                  causal=True, backend=layer.op_backend)
     out[p.rows] = o
@@ -64,7 +69,7 @@ def chunked(layer, q, c_kv, k_pe, group: Group, batch, kv_cache, out):
     acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group, batch, offsets)
     for p in group.passes:
         latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys, backend=backend)
-        k, v = _keys_values(layer, latent)
+        k, v = _keys_values(layer, _values(layer, latent, batch.cache))
         o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
                                        backend=backend)
         local = torch.cat([torch.arange(offsets[position[b]], offsets[position[b] + 1]) for b in p.seqs])

@@ -35,7 +35,7 @@ def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor) -> torch.Tensor:
     return torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2)).transpose(0, 1)
 
 
-def absorbed(layer, q, group: Group, kv_cache, out):
+def absorbed(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
     """Absorbed attention for the group's sequences, all with group.s_q new tokens.
 
     Writes out[group.rows] for this rank's head slice. Under Helix CP the attention over
@@ -48,11 +48,12 @@ def absorbed(layer, q, group: Group, kv_cache, out):
     B, s_q, H = len(group.seqs), group.s_q, layer.num_local_heads
     q_full = absorb_query(layer, qg[..., :dn], qg[..., dn:]).view(B, s_q, H, -1)
     if group.query_seqlens is None:
-        o_lat, lse = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r,
-                                    cfg.softmax_scale, causal=True, backend=layer.op_backend)
+        o_lat, lse = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r, cfg.softmax_scale,
+                                    causal=True, kv_scale=kv_scale, backend=layer.op_backend)
     else:   # one query at a time, each with the rows of this rank it may see
-        parts = [ops.mla_decode(q_full[:, i: i + 1].contiguous(), kv_cache, group.block_table, seqlens, r, cfg.softmax_scale,
-                                causal=True, backend=layer.op_backend) for i, seqlens in enumerate(group.query_seqlens)]
+        parts = [ops.mla_decode(q_full[:, i: i + 1].contiguous(), kv_cache, group.block_table, seqlens, r,
+                                cfg.softmax_scale, causal=True, kv_scale=kv_scale, backend=layer.op_backend)
+                 for i, seqlens in enumerate(group.query_seqlens)]
         o_lat, lse = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     o_lat, lse = o_lat.reshape(B * s_q, H, r).to(layer.dtype), lse.reshape(B * s_q, H)
     if par is None or par.cp_size == 1:

@@ -169,7 +169,7 @@ class MLA(nn.Module):
         cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))
         kv_cache = batch.cache.layer(self.layer_idx)
         ops.rope_append(q[..., dn:], k_pe, c_kv, cos, sin, kv_cache, batch.slot_mapping, cfg.rope_interleave,
-                        backend=self.op_backend)
+                        kv_scale=batch.cache.kv_scale, backend=self.op_backend)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
@@ -182,11 +182,11 @@ class MLA(nn.Module):
         if plan.prefill is not None:
             context.prefill(self, q_slice, c_kv, k_pe, plan.prefill, batch, attn)
         for p in plan.cached:
-            context.cached(self, q_slice, p, kv_cache, attn)
+            context.cached(self, q_slice, p, kv_cache, batch.cache, attn)
         if plan.chunked is not None:
             context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, batch, kv_cache, attn)
         for group in plan.absorbed:
-            decode.absorbed(self, q, group, kv_cache, attn)
+            decode.absorbed(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         out = F.linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

@@ -4,8 +4,9 @@ The one place that knows checkpoint layouts:
 
 - ``kv_b_proj.weight`` is [H * (dn + dv), r], grouped by head: for each head, dn rows of
   K then dv rows of V. ``split_kv_b`` turns it into W_UK [H, dn, r] and W_UV [H, dv, r].
-- FP8 checkpoints (DeepSeek-V3, Kimi K2) store ``weight`` as float8_e4m3fn with a float32
-  ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]: block (i, j) dequantizes as w * scale.
+- FP8 checkpoints (DeepSeek-V3, Kimi K2) store ``weight`` as float8_e4m3fn with a
+  ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] (float32, or ue8m0 powers of two):
+  block (i, j) dequantizes as w * scale.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Mapping
 import torch
 
 from .config import MLAConfig
+from .quant import scale_to_float
 
 __all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8"]
 
@@ -52,7 +54,7 @@ def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int 
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv: expected shape {expected} for a weight of shape "
                          f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}")
-    s = scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+    s = scale_to_float(scale_inv).repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
     return weight.float() * s
 
 

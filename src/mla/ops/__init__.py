@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .. import quant
 from . import reference
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
@@ -38,12 +39,26 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _impl(op: str, backend: str | None, device: torch.device) -> Callable:
+def _impl(op: str, backend: str | None, device: torch.device, cache_format: str = "plain") -> Callable:
+    """The implementation of an op. A kernel declares the cache formats it reads in a
+    ``cache_formats`` attribute (default: plain rows only); for any other format the
+    reference serves, on any device."""
     if resolve_backend(backend, device) == "torch":
         return getattr(reference, op)
     from . import triton as triton_ops  # imported lazily: triton is optional
 
-    return getattr(triton_ops, op)
+    fn = getattr(triton_ops, op)
+    return fn if cache_format in getattr(fn, "cache_formats", ("plain",)) else getattr(reference, op)
+
+
+def cache_format(kv_cache: torch.Tensor) -> str:
+    """"plain" (rows in a float dtype), "fp8" (float8_e4m3fn, per-tensor scale) or
+    "fp8_tile" (uint8 rows of FlashMLA's FP8 layout, see mla.quant)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if kv_cache.dtype == torch.uint8:
+        return "fp8_tile"
+    return "plain"
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -65,11 +80,13 @@ def _describe(t) -> str:
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *,
-               backend=None):
+               kv_scale=1.0, backend=None):
     """Absorbed MLA attention of ``s_q`` new tokens per sequence over a paged latent cache.
 
     q:             [B, s_q, H, d] float16/bfloat16/float32, d = kv_lora_rank + qk_rope_head_dim (576)
-    kv_cache:      [num_blocks, block_size, d] (or [num_blocks, block_size, 1, d]), q's dtype
+    kv_cache:      [num_blocks, block_size, d] (or [num_blocks, block_size, 1, d]) in q's dtype; or
+                   float8_e4m3fn rows (value = fp8 * kv_scale); or uint8 rows of the FP8 tile layout
+                   [num_blocks, block_size, r + 4 * r/128 + 2 * dr] (mla.quant), r = head_dim_v
     block_table:   [B, max_blocks] int32; block j of sequence b is kv_cache[block_table[b, j]]
     cache_seqlens: [B] int32, lengths including the s_q new tokens
     head_dim_v:    values are the first head_dim_v (= kv_lora_rank) entries of each row
@@ -82,18 +99,26 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         _check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
-    _check(isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3 and kv_cache.shape[-1] == d,
-           f"kv_cache: expected [num_blocks, block_size, {d}], got {_describe(kv_cache)}")
-    _check(kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+    _check(isinstance(head_dim_v, int) and 0 < head_dim_v <= d, f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
+    _check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {_describe(kv_cache)}")
+    fmt = cache_format(kv_cache)
+    width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
+    _check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
+           f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {_describe(kv_cache)}")
+    _check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+    _check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
+           f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
     _check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
     _check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] == B
            and block_table.dtype == torch.int32,
            f"block_table: expected [{B}, max_blocks] int32, got {_describe(block_table)}")
     _check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
     _check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
-    _check(isinstance(head_dim_v, int) and 0 < head_dim_v <= d, f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
-    return _impl("mla_decode", backend, q.device)(
-        q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal))
+    impl = _impl("mla_decode", backend, q.device, fmt)
+    if fmt == "plain":
+        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal))
+    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal),
+                float(kv_scale))
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, backend=None):
@@ -130,13 +155,14 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     return _impl("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, backend=None):
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None):
     """Fused RoPE + latent-cache append (in place).
 
     q_pe [T, H, dr] and k_pe [T, dr] are rotated in place by cos, sin [T, dr/2] float32
     (interleaved pairs (2i, 2i+1) or neox pairs (i, i + dr/2)); rows [c_kv | rope(k_pe)]
     (c_kv [T, r]) are written to kv_cache [num_blocks, block_size, r + dr] at the flat
-    slots slot_mapping [T] int64 (negative slots are skipped). Returns None.
+    slots slot_mapping [T] int64 (negative slots are skipped), quantized where the cache is FP8
+    (see mla_decode for the formats). Returns None.
     """
     T = c_kv.shape[0]
     _check(q_pe.dim() == 3 and q_pe.shape[0] == T, f"q_pe: expected [{T}, H, dr], got {_describe(q_pe)}")
@@ -144,17 +170,22 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     _check(k_pe.shape == (T, dr), f"k_pe: expected [{T}, {dr}], got {_describe(k_pe)}")
     _check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32,
            f"cos, sin: expected float32 [{T}, {dr // 2}], got {_describe(cos)}, {_describe(sin)}")
-    _check(kv_cache.dim() == 3 and kv_cache.shape[-1] == c_kv.shape[-1] + dr,
-           f"kv_cache: expected [num_blocks, block_size, {c_kv.shape[-1] + dr}], got {_describe(kv_cache)}")
+    fmt = cache_format(kv_cache)
+    width = quant.row_width(fmt, c_kv.shape[-1], dr)
+    _check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
+           f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {_describe(kv_cache)}")
     _check(slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64,
            f"slot_mapping: expected int64 [{T}], got {_describe(slot_mapping)}")
-    return _impl("rope_append", backend, kv_cache.device)(
-        q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave))
+    impl = _impl("rope_append", backend, kv_cache.device, fmt)
+    if fmt == "plain":
+        return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave))
+    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave), float(kv_scale))
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):
     """Rows starts[b] .. starts[b] + len_b of each sequence b, from the paged cache into one
-    contiguous [num_tokens, d] buffer at rows cu_seqlens[b] .. cu_seqlens[b + 1].
+    contiguous [num_tokens, d] buffer at rows cu_seqlens[b] .. cu_seqlens[b + 1], as stored
+    (FP8 rows stay FP8: mla.quant.dequantize_rows turns the chunk into values).
 
     kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32; starts [B] int32;
     cu_seqlens [B + 1] int32 with cu_seqlens[-1] == num_tokens (an int, so no host sync).
@@ -166,4 +197,5 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, back
     _check_int_vector("starts", starts, B, kv_cache.device)
     _check_int_vector("cu_seqlens", cu_seqlens, B + 1, kv_cache.device)
     _check(isinstance(num_tokens, int) and num_tokens >= 0, f"num_tokens: expected an int >= 0, got {num_tokens!r}")
-    return _impl("gather_latent", backend, kv_cache.device)(kv_cache, block_table, starts, cu_seqlens, num_tokens)
+    return _impl("gather_latent", backend, kv_cache.device, "plain")(
+        kv_cache, block_table, starts, cu_seqlens, num_tokens)

@@ -36,14 +36,19 @@ def gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -
     return kv_cache[blocks[idx // block_size], idx % block_size]
 
 
-def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True):
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, kv_scale=1.0):
     """Absorbed MLA attention over a paged latent cache.
 
     q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32;
     cache_seqlens [B] int32 (including the s_q new tokens). Keys are whole rows, values the
     first ``head_dim_v`` values of each row. Causal: query i sees keys < len - s_q + i + 1.
+    FP8 rows (float8_e4m3fn with kv_scale, or the uint8 tile layout) are dequantized here.
     Returns out [B, s_q, H, head_dim_v] (q.dtype) and lse [B, s_q, H] float32.
     """
+    from ..quant import dequantize_rows
+    from . import cache_format
+
+    fmt = cache_format(kv_cache)
     B, s_q, H, _ = q.shape
     out = torch.zeros(B, s_q, H, head_dim_v, dtype=torch.float32, device=q.device)
     lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float32, device=q.device)
@@ -52,7 +57,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         n = int(lengths[b])
         if n <= 0 or s_q == 0:
             continue
-        kv = gather_rows(kv_cache, block_table[b], n).float()           # [n, d]
+        kv = dequantize_rows(gather_rows(kv_cache, block_table[b], n), fmt, head_dim_v, torch.float32, kv_scale)
         qb = q[b].float().transpose(0, 1)                                # [H, s_q, d]
         scores = (qb @ kv.T) * softmax_scale                             # [H, s_q, n]
         key = torch.arange(n, device=q.device)
@@ -115,19 +120,24 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
     """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32), and
     write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
     block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset;
     a negative slot is not written).
     """
+    from ..quant import quantize_rows
     from ..rope import apply_rope
+    from . import cache_format
 
     q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
     k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     keep = slot_mapping >= 0   # a negative slot: the token is stored elsewhere (another CP rank)
-    flat[slot_mapping[keep]] = torch.cat((c_kv, k_pe), dim=-1)[keep].to(kv_cache.dtype)
+    rows = torch.cat((c_kv, k_pe), dim=-1)[keep]
+    fmt = cache_format(kv_cache)
+    flat[slot_mapping[keep]] = rows.to(kv_cache.dtype) if fmt == "plain" else quantize_rows(
+        rows, fmt, c_kv.shape[-1], kv_scale)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):

@@ -1,0 +1,75 @@
+"""FP8 formats: the latent cache rows and the block-scaled checkpoint weights.
+
+Latent cache rows (one per token, r = kv_lora_rank, dr = qk_rope_head_dim):
+
+- "bf16" (and fp16/fp32): [c_kv | k_pe] in the cache dtype, 2 * (r + dr) bytes in bf16 (1152).
+- "fp8": float8_e4m3fn [c_kv | k_pe] with one per-tensor scale ``kv_scale`` (value = fp8 * kv_scale),
+  r + dr bytes (576). The scale comes from calibration (a checkpoint's k_scale) or stays 1.0.
+- "fp8_tile": the row of FlashMLA's FP8 cache (DeepSeek-V3.2), uint8 storage, byte by byte:
+      [0, r)                 c_kv as float8_e4m3fn, tile t of 128 values scaled by scales[t]
+      [r, r + 4 * r/128)     r/128 float32 scales (little endian), amax(tile) / 448
+      [.., + 2 * dr)         k_pe as bfloat16, unquantized (RoPE is sensitive to rounding)
+  656 bytes for r = 512, dr = 64.
+
+Checkpoint weights: float8_e4m3fn [out, in] with ``weight_scale_inv`` [ceil(out/128),
+ceil(in/128)]: float32 (DeepSeek-V3) or power-of-two "ue8m0" (float8_e8m0fnu, or uint8
+exponents with bias 127); each 128 x 128 block dequantizes as w * scale.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8", "FP8_MAX", "TILE", "CACHE_FORMATS", "row_width", "storage_dtype", "quantize_rows",
+           "dequantize_rows", "scale_to_float"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TILE = 128
+CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
+
+
+def row_width(fmt: str, r: int, dr: int) -> int:
+    """Elements per stored row (bytes for the fp8 formats)."""
+    if fmt == "fp8_tile":
+        return r + 4 * (r // TILE) + 2 * dr
+    return r + dr
+
+
+def storage_dtype(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    return {"plain": dtype, "fp8": FP8, "fp8_tile": torch.uint8}[fmt]
+
+
+def quantize_rows(rows: torch.Tensor, fmt: str, r: int, kv_scale: float = 1.0) -> torch.Tensor:
+    """Latent rows [N, r + dr] (any float dtype) -> stored rows in the format."""
+    if fmt == "fp8":
+        return (rows.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    if fmt != "fp8_tile":
+        raise ValueError(f"fmt: expected 'fp8' or 'fp8_tile', got {fmt!r}")
+    N = rows.shape[0]
+    tiles = rows[:, :r].float().view(N, r // TILE, TILE)
+    scales = tiles.abs().amax(-1).clamp_min(1e-12) / FP8_MAX           # [N, r/128] float32
+    q = (tiles / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, r)
+    return torch.cat((q.view(torch.uint8), scales.contiguous().view(torch.uint8).view(N, -1),
+                      rows[:, r:].to(torch.bfloat16).contiguous().view(torch.uint8).view(N, -1)), -1)
+
+
+def dequantize_rows(stored: torch.Tensor, fmt: str, r: int, dtype: torch.dtype = torch.float32,
+                    kv_scale: float = 1.0) -> torch.Tensor:
+    """Stored rows [N, W] -> latent rows [N, r + dr] in ``dtype``; the scale is applied here, once."""
+    if fmt == "plain":
+        return stored.to(dtype)
+    if fmt == "fp8":
+        return (stored.float() * kv_scale).to(dtype)
+    N = stored.shape[0]
+    n_tiles = r // TILE
+    c = stored[:, :r].contiguous().view(FP8).float().view(N, n_tiles, TILE)
+    scales = stored[:, r: r + 4 * n_tiles].contiguous().view(torch.float32)
+    k_pe = stored[:, r + 4 * n_tiles:].contiguous().view(torch.bfloat16).float()
+    return torch.cat(((c * scales[..., None]).view(N, r), k_pe), -1).to(dtype)
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's weight_scale_inv as float32: float32 as is, ue8m0 as 2^(e - 127)."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
