@@ -1,0 +1,171 @@
+"""Tensor parallel and Helix context parallel on NCCL, one process per GPU (issue 8).
+
+    PYTHONPATH=src python3 benchmarks/multi_gpu.py [--quick]
+
+For each layout that fits the GPUs present (tp, cp, tp x cp), with DeepSeek-V3 shapes and
+random bf16 weights: checks the layer's decode output on every rank against the
+single-GPU layer on rank 0, then times decode steps (batch 1, 8, 64; contexts 4k, 64k,
+256k) and the Helix all-to-all inside them. Caches are filled with random latents
+(no prefill is timed here). On CPU (`--gloo`) it runs the same code on tiny shapes.
+Keep NVLink multicast off (NCCL_NVLS_ENABLE=0), as the device notes ask.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mla
+from mla.demo import random_state_dict
+
+for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(k, v)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill(cache, seqs, lengths, gen):
+    cache.prepare([(s, n) for s, n in zip(seqs, lengths)])
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen).to(cache.kv.dtype) * 0.5)
+
+
+def _worker(rank, world, layouts, grid, cfg_name, backend_dist, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    gpu = backend_dist == "nccl"
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_dist, rank=rank, world_size=world)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cfg = mla.MLAConfig.preset(cfg_name).replace(max_position_embeddings=1 << 20)
+    sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
+    rows = []
+    for tp, cp in layouts:
+        par = mla.Parallel(tp_size=tp, cp_size=cp)
+        layer = mla.MLA(cfg, dtype=dtype, device=device, parallel=par)
+        layer.load_hf_state_dict(sd)
+        single = None
+        if rank == 0:
+            single = mla.MLA(cfg, dtype=dtype, device=device)
+            single.load_hf_state_dict(sd)
+        for batch_size, ctx in grid:
+            block = 64
+            blocks = batch_size * (-(-(ctx + 8) // block)) // cp + batch_size + 8
+            cache = mla.PagedLatentCache(cfg, num_blocks=blocks, block_size=block, dtype=dtype, device=device,
+                                         parallel=par)
+            seqs = list(range(batch_size))
+            gen = torch.Generator().manual_seed(1 + par.cp_rank)   # TP ranks hold the same latents
+            _fill(cache, seqs, [ctx] * batch_size, gen)
+            x = torch.randn(batch_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+            batch = cache.prepare([(s, 1) for s in seqs])
+            out = layer(x, batch)
+            # correctness: gather every rank's cache share onto rank 0, rebuild a whole cache there
+            err = _check_against_single(rank, world, tp, cp, cfg, cache, batch, single, x, out, device, dtype)
+            # timing: decode steps on the same batch (the step rewrites the same slots)
+            exch = {"t": 0.0}
+            plain = par.helix_exchange
+
+            def timed(o, l):
+                if gpu:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                r = plain(o, l)
+                if gpu:
+                    torch.cuda.synchronize()
+                exch["t"] += time.perf_counter() - t0
+                return r
+            for _ in range(3):
+                layer(x, batch)
+            if gpu:
+                torch.cuda.synchronize()
+            iters = 10
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                layer(x, batch)
+            if gpu:
+                torch.cuda.synchronize()
+            step = (time.perf_counter() - t0) / iters
+            par_exchange = 0.0
+            if cp > 1:   # again with the all-to-all fenced by synchronizations, to time it alone
+                par.__dict__["helix_exchange"] = timed
+                for _ in range(iters):
+                    layer(x, batch)
+                par_exchange = exch["t"] / iters
+                del par.__dict__["helix_exchange"]
+            rows.append((tp, cp, batch_size, ctx, step * 1e6, batch_size / step / world, par_exchange * 1e6, err))
+            del cache
+            if gpu:
+                torch.cuda.empty_cache()
+    if rank == 0:
+        results["rows"] = rows
+    dist.destroy_process_group()
+
+
+def _check_against_single(rank, world, tp, cp, cfg, cache, batch, single, x, out, device, dtype):
+    """Rank 0 rebuilds the whole cache from every CP rank's share and runs the single layer."""
+    shares = [torch.empty_like(cache.kv) for _ in range(world)]
+    dist.all_gather(shares, cache.kv)
+    tables = {}
+    for s in batch.seq_ids:
+        b = torch.tensor(cache.blocks(s), dtype=torch.int64, device=device)
+        lst = [torch.zeros(1 << 13, dtype=torch.int64, device=device) for _ in range(world)]
+        padded = torch.zeros(1 << 13, dtype=torch.int64, device=device)
+        padded[: b.numel()] = b + 1
+        dist.all_gather(lst, padded)
+        tables[s] = [t[t > 0] - 1 for t in lst]
+    if rank != 0:
+        return float("nan")
+    whole = mla.PagedLatentCache(cfg, num_blocks=sum(c.shape[1] for c in shares[::tp]) + 8, block_size=cache.block_size,
+                                 dtype=dtype, device=device)
+    whole.prepare([(s, cache.length(s) - 1) for s in batch.seq_ids])
+    for s in batch.seq_ids:
+        dst = whole.blocks(s)
+        n_global = -(-(cache.length(s) - 1) // cache.block_size)
+        for j in range(n_global):
+            src_rank = (j % cp) * tp                     # the TP-0 rank of CP rank j % cp
+            src_block = int(tables[s][src_rank][j // cp])
+            whole.kv[0, dst[j]].copy_(shares[src_rank][0, src_block])
+    ref = single(x, whole.prepare([(s, 1) for s in batch.seq_ids]))
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gloo", action="store_true", help="CPU processes on gloo, tiny shapes")
+    ap.add_argument("--world", type=int, default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.gloo:
+        world, cfg_name, backend = args.world or 2, "tiny", "gloo"
+        grid = [(1, 40), (3, 70)]
+    else:
+        world, cfg_name, backend = args.world or torch.cuda.device_count(), "deepseek-v3", "nccl"
+        grid = [(1, 4096), (8, 4096), (64, 4096), (1, 65536), (8, 65536), (1, 262144)]
+        if args.quick:
+            grid = grid[:2]
+    layouts = [(tp, world // tp) for tp in (world, 1)] + ([(2, world // 2)] if world >= 4 else [])
+    os.environ["MASTER_PORT"] = str(_port())
+    with mp.Manager() as m:
+        results = m.dict()
+        mp.spawn(_worker, args=(world, layouts, grid, cfg_name, backend, results), nprocs=world)
+        rows = results["rows"]
+    print(f"\n{cfg_name}, world {world} ({backend}); decode step = one token per sequence")
+    print(f"{'tp':>3} {'cp':>3} {'batch':>6} {'context':>8} {'step us':>9} {'tok/s/GPU':>10} {'a2a us':>8} {'rel err':>9}")
+    for tp, cp, b, ctx, us, tps, a2a, err in rows:
+        print(f"{tp:>3} {cp:>3} {b:>6} {ctx:>8} {us:>9.0f} {tps:>10.0f} {a2a:>8.0f} {err:>9.2e}")
+    bad = [r for r in rows if not r[-1] <= (5e-2 if backend == "nccl" else 1e-4)]
+    print("PASS" if not bad else f"FAIL: {len(bad)} layouts differ from the single-GPU layer")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
