@@ -43,15 +43,34 @@ def main(argv=None) -> int:
 
 
 # ---------------------------------------------------------------- decode
-DECODE_VARIANTS = {
-    # name -> how it changes the kernel's default schedule (mla.ops.triton.decode.default_config)
-    "default": lambda c: c,
-    "warps": lambda c: replace(c, num_warps=4 if c.num_warps == 8 else 8),
-    "n32s3": lambda c: replace(c, block_n=32, num_stages=3),
-    "m32": lambda c: replace(c, block_m=min(c.block_m, 32), num_splits=c.num_splits),
-    "split2": lambda c: replace(c, num_splits=2 * c.num_splits),
-    "s1": lambda c: replace(c, num_stages=1),
-}
+def decode_variant(name: str, cfg):
+    """A Triton schedule derived from the default one (mla.ops.triton.decode.default_config).
+
+    ``default``, or dash-separated changes: ``w8`` warps, ``n32`` keys per tile, ``m32`` query
+    rows per program, ``s3`` pipeline stages, ``x2`` / ``h2`` splits times / divided by 2,
+    ``g`` gather every row's page (no one-page tile).
+    """
+    if name == "default":
+        return cfg
+    for part in name.split("-"):
+        k, v = part[0], part[1:]
+        if k == "w":
+            cfg = replace(cfg, num_warps=int(v))
+        elif k == "n":
+            cfg = replace(cfg, block_n=int(v))
+        elif k == "m":
+            cfg = replace(cfg, block_m=min(cfg.block_m, int(v)))
+        elif k == "s":
+            cfg = replace(cfg, num_stages=int(v))
+        elif k == "x":
+            cfg = replace(cfg, num_splits=cfg.num_splits * int(v))
+        elif k == "h":
+            cfg = replace(cfg, num_splits=max(1, cfg.num_splits // int(v)))
+        elif k == "g":
+            cfg = replace(cfg, page_tile=False)
+        else:
+            raise ValueError(f"--variants: unknown part {part!r} in {name!r}")
+    return cfg
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +81,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="query tokens per sequence (default: 1, and also 2 for 128 heads)")
     p.add_argument("--page", type=int, default=64, help="block size of the paged cache")
     p.add_argument("--variants", default="default",
-                   help=f"comma list of Triton schedules to time, from {','.join(DECODE_VARIANTS)}")
+                   help="comma list of Triton schedules to time: default, or e.g. w4-n32-s3-x2 (see decode_variant)")
     p.add_argument("--no-peers", action="store_true", help="time only the Triton kernel")
     p.add_argument("--csv", default=None)
     p.add_argument("--json", default=None)
@@ -104,7 +123,7 @@ def _triton_provider(variant):
     from mla.ops.triton import decode as tdec
 
     def make(c):
-        cfg = DECODE_VARIANTS[variant](tdec.default_config(c["q"], c["table"].shape[1] * c["page"]))
+        cfg = decode_variant(variant, tdec.default_config(c["q"], c["table"].shape[1] * c["page"]))
 
         def call(kv):
             return tdec.launch(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True, cfg)[0]
@@ -187,9 +206,10 @@ def run_decode(args) -> int:
     from mla.ops import reference
 
     variants = [v for v in args.variants.split(",") if v]
+    from mla.ops.triton.decode import DecodeConfig
+
     for v in variants:
-        if v not in DECODE_VARIANTS:
-            raise SystemExit(f"--variants: unknown {v!r}; expected names from {list(DECODE_VARIANTS)}")
+        decode_variant(v, DecodeConfig())  # unknown parts fail here, before any GPU work
     providers = {f"triton:{v}": _triton_provider(v) for v in variants}
     if not args.no_peers:
         try:

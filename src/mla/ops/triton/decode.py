@@ -45,6 +45,7 @@ class DecodeConfig:
     num_warps: int = 8
     num_stages: int = 2
     num_splits: int = 1      # programs per sequence along the cache length
+    page_tile: bool = True   # when block_size % block_n == 0: one block-table read per tile
 
 
 # Reductions through tl.reduce with our own combine functions: the standard library's
@@ -69,7 +70,7 @@ def _decode_split_kernel(
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, DV, DR, block_size, num_splits, qk_scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -106,8 +107,12 @@ def _decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
-        kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
+        if PAGE_TILE:  # the tile lies inside one page: one block-table read, rows evenly strided
+            blk = tl.load(bt_row + start_n // block_size).to(tl.int64)
+            kv_row = KV + blk * stride_kv_blk + (start_n % block_size + tl.arange(0, BLOCK_N)) * stride_kv_row
+        else:
+            blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
+            kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
         c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
         k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
         if IEEE:
@@ -194,8 +199,10 @@ def _num_sms(device_index: int) -> int:
 def default_config(q: torch.Tensor, max_len: int) -> DecodeConfig:
     """The schedule for a launch, from host-known shapes only (no device reads).
 
-    Enough splits of the cache that about one wave of programs fills the GPU, but no
-    split shorter than 256 keys; tiles of 64 keys, query rows padded to 16..64.
+    Query rows padded to 16..64 per program; 64-key tiles, 8 warps (measured best on an
+    H200 for 16 and 128 heads, docs/PERF.md). Enough splits of the cache for about two
+    waves of programs when few rows share a tile (memory-bound: latency hiding) and one
+    wave otherwise, with no split shorter than one 64-key tile.
     """
     B, s_q, H, _ = q.shape
     rows = H * s_q
@@ -204,16 +211,17 @@ def default_config(q: torch.Tensor, max_len: int) -> DecodeConfig:
         return DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
                             num_splits=max(1, min(3, math.ceil(max_len / 16))))
     if q.dtype == torch.float32:  # fp32 operands: FMA path, small key tiles to fit shared memory
-        return DecodeConfig(block_m=min(block_m, 32), block_n=16, num_warps=8, num_stages=1,
-                            num_splits=_splits(q, B * triton.cdiv(rows, min(block_m, 32)), max_len, 16))
+        block_m = min(block_m, 32)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=8, num_stages=1,
+                            num_splits=_splits(q, B * triton.cdiv(rows, block_m), 1, max_len))
     ctas = B * triton.cdiv(rows, block_m)
-    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8 if block_m >= 32 else 4, num_stages=2,
-                        num_splits=_splits(q, ctas, max_len, 64))
+    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2,
+                        num_splits=_splits(q, ctas, 2 if block_m == 16 else 1, max_len))
 
 
-def _splits(q: torch.Tensor, ctas: int, max_len: int, block_n: int) -> int:
-    waves = max(1, _num_sms(q.device.index or 0) // ctas)
-    return max(1, min(waves, triton.cdiv(max_len, max(256, block_n))))
+def _splits(q: torch.Tensor, ctas: int, waves: int, max_len: int) -> int:
+    per_seq = max(1, waves * _num_sms(q.device.index or 0) // ctas)
+    return max(1, min(per_seq, triton.cdiv(max_len, 64)))
 
 
 def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, cfg: DecodeConfig):
@@ -246,6 +254,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
         H, s_q, dv, dr, kv_cache.shape[1], S, softmax_scale * _LOG2E,
         CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

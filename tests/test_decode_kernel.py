@@ -1,0 +1,181 @@
+"""The Triton decode kernel (``mla.ops.triton.decode``) against a float64 reference.
+
+On CPU the kernel runs under Triton's interpreter: float32 and float16 only (the
+3.6 interpreter computes tl.dot on bf16 wrongly) and tiny shapes (d = 64 + 16).
+On CUDA: bf16 (and fp16/fp32) at DeepSeek shapes (d = 576, dv = 512).
+
+Every case: fresh random data, shuffled block tables, NaN in every unused block,
+in the slots past each sequence's end and behind unused block-table entries.
+Tolerance tied to the arithmetic: the kernel's error against float64 must be at
+most twice that of PyTorch computing the same thing in the input precision (plus
+1e-6 for float32, where both sit at rounding level); lse within 1e-5 relative.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla.ops import reference
+from mla.ops.triton import decode
+
+CUDA = torch.cuda.is_available()
+
+
+def make_case(lens, s_q, H, dv, dr, block_size, dtype, device, seed, spare_blocks=3):
+    """Paged cache holding the given lengths; everything not part of a sequence is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    B, d = len(lens), dv + dr
+    need = [math.ceil(n / block_size) for n in lens]
+    max_blocks = max(need + [1]) + 1                      # one spare table column
+    num_blocks = sum(need) + spare_blocks
+    kv = torch.full((num_blocks, block_size, d), float("nan"), dtype=torch.float32)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.empty(B, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        blocks = perm[used:used + need[b]]
+        used += need[b]
+        # unused entries point at NaN blocks (the spares), so a read past the end would show
+        table[b] = perm[-1 - torch.randint(spare_blocks, (max_blocks,), generator=g)].int()
+        table[b, :need[b]] = blocks.int()
+        rows = torch.randn(n, d, generator=g)
+        for j in range(need[b]):
+            k = min(block_size, n - j * block_size)
+            kv[blocks[j], :k] = rows[j * block_size: j * block_size + k]
+    q = torch.randn(B, s_q, H, d, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    to = dict(device=device)
+    return q.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), table.to(**to), seqlens.to(**to)
+
+
+def attend(q, kv, table, seqlens, dv, scale, causal, dtype):
+    """Decode attention in ``dtype`` arithmetic (float64: the oracle; else PyTorch in low precision)."""
+    B, s_q, H, _ = q.shape
+    out = torch.zeros(B, s_q, H, dv, dtype=torch.float64)
+    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(seqlens.tolist()):
+        if n == 0:
+            continue
+        k = reference.gather_rows(kv, table[b], n).to(dtype)                 # [n, d]
+        qb = q[b].to(dtype).transpose(0, 1)                                  # [H, s_q, d]
+        scores = (qb @ k.T).double() * scale
+        key = torch.arange(n, device=q.device)
+        limit = (n - s_q + 1 + torch.arange(s_q, device=q.device)) if causal else torch.full((s_q,), n, device=q.device)
+        visible = (key[None, :] < limit[:, None])[None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse_b = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.where(torch.isfinite(lse_b), lse_b, 0.0)[..., None])
+        o = (p.to(dtype) @ k[:, :dv]).double()
+        out[b] = o.transpose(0, 1).cpu()
+        lse[b] = lse_b.transpose(0, 1).cpu()
+    return out, lse
+
+
+def check(lens, s_q, H, dv, dr, block_size, dtype, device, causal=True, seed=0):
+    q, kv, table, seqlens = make_case(lens, s_q, H, dv, dr, block_size, dtype, device, seed)
+    scale = 1.0 / math.sqrt(dv + dr)
+    out, lse = decode.mla_decode(q, kv, table, seqlens, dv, scale, causal)
+    assert out.shape == (len(lens), s_q, H, dv) and out.dtype == dtype
+    assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
+    ref_out, ref_lse = attend(q, kv, table, seqlens, dv, scale, causal, torch.float64)
+    out, lse = out.double().cpu(), lse.double().cpu()
+
+    # NaN / inf positions first: out never NaN, lse -inf exactly where no key is visible
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse = -inf must mark exactly the rows with no visible key"
+    assert (out[empty] == 0).all()
+    assert (lse[empty] < 0).all()
+
+    low_out, _ = attend(q, kv, table, seqlens, dv, scale, causal, dtype)
+    denom = ref_out.norm().clamp_min(1e-30)
+    err = ((out - ref_out).norm() / denom).item()
+    err_torch = ((low_out - ref_out).norm() / denom).item()
+    bound = 2 * err_torch + (1e-6 if dtype == torch.float32 else 0.0)
+    assert err <= bound, f"kernel rel err {err:.3e} > 2 x torch {dtype} rel err {err_torch:.3e}"
+    fin = ~empty
+    if fin.any():
+        lse_err = ((lse[fin] - ref_lse[fin]).abs() / ref_lse[fin].abs().clamp_min(1.0)).max().item()
+        assert lse_err <= 1e-5, f"lse rel err {lse_err:.3e}"
+
+
+# ---------------------------------------------------------------- CPU: interpreter, tiny shapes
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("H,s_q,block_size", [(1, 1, 16), (3, 4, 16), (7, 2, 5), (16, 3, 64)])
+def test_cpu_heads_sq_blocks(dtype, H, s_q, block_size):
+    # varlen batch: length == s_q, a few blocks, and a partial last block
+    check([s_q, 37, 70], s_q, H, dv=64, dr=16, block_size=block_size, dtype=dtype, device="cpu", seed=H)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_cpu_empty_and_short_rows(dtype):
+    # length 0 (every row empty) and length < s_q (the first causal rows see nothing)
+    check([0, 2, 19], 4, 3, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", seed=7)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_cpu_non_causal(dtype):
+    check([3, 41], 3, 7, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", causal=False, seed=11)
+
+
+def test_cpu_odd_dims():
+    # head_dim_v and rope dims that are not powers of two, block size 1
+    check([9, 4], 2, 3, dv=48, dr=8, block_size=1, dtype=torch.float32, device="cpu", seed=3)
+
+
+def test_public_op_dispatches_to_kernel():
+    import mla.ops
+
+    q, kv, table, seqlens = make_case([5, 33], 2, 3, 64, 16, 16, torch.float32, "cpu", seed=5)
+    a = mla.ops.mla_decode(q, kv.unsqueeze(2), table, seqlens, 64, 0.125, backend="triton")
+    b = mla.ops.mla_decode(q, kv, table, seqlens, 64, 0.125, backend="torch")
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU: real shapes
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("H,s_q", [(1, 1), (3, 2), (16, 1), (16, 4), (63, 2), (128, 1), (128, 2), (128, 8)])
+@pytest.mark.parametrize("block_size", [64, 16])
+def test_gpu_bf16(H, s_q, block_size):
+    lens = [s_q, 1, 700, 4099, 0, 2048][: 6 if H <= 16 else 4]
+    lens = [max(n, 0) for n in lens]
+    check(lens, s_q, H, dv=512, dr=64, block_size=block_size, dtype=torch.bfloat16, device="cuda", seed=H * 10 + s_q)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_gpu_other_dtypes(dtype):
+    check([3, 1500, 257], 2, 16, dv=512, dr=64, block_size=64, dtype=dtype, device="cuda", seed=1)
+
+
+@gpu
+def test_gpu_long_single_sequence_and_non_causal():
+    check([131072], 1, 16, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", seed=2)
+    check([5000, 7], 3, 128, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", causal=False, seed=3)
+
+
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host synchronisation inside the op: it captures, and replays with new lengths."""
+    q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 512, 64, 64, torch.bfloat16, "cuda", seed=9)
+    scale = 1 / math.sqrt(576)
+    decode.mla_decode(q, kv, table, seqlens, 512, scale, True)   # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+    seqlens.copy_(torch.tensor([900, 2500], dtype=torch.int32))
+    g.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
