@@ -8,6 +8,9 @@ the whole token sequence, taking the rows of the new tokens.
 
 Weights are unit-scale (std ``WEIGHT_GAIN / sqrt(fan_in)``) so that attention is
 peaky and positions matter; norm weights are random around 1.
+
+``Harness`` drives our layer(s) and cache through the public API (``mla.MLAConfig.from_hf``,
+``mla.MLA``, ``mla.PagedLatentCache``) beside those modules and checks every step.
 """
 from __future__ import annotations
 
@@ -115,6 +118,21 @@ def config_json(hf_config, legacy: bool = True) -> dict:
     return d
 
 
+def config_source(hf_config, source: str):
+    """What a user hands to ``MLAConfig.from_hf``: the transformers config ("object"), its
+    config.json in the published layout ("legacy_dict") or transformers 5's ("dict"), or a
+    Kimi K2 config.json ("kimi_dict": DeepSeek-V3's architecture under model_type kimi_k2)."""
+    if source == "object":
+        return hf_config
+    if source == "kimi_dict":
+        d = config_json(hf_config, legacy=True)
+        d.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+        return d
+    if source not in ("legacy_dict", "dict"):
+        raise ValueError(f"source: expected object, legacy_dict, dict or kimi_dict, got {source!r}")
+    return config_json(hf_config, legacy=(source == "legacy_dict"))
+
+
 def is_v2(hf_config) -> bool:
     return isinstance(hf_config, DeepseekV2Config)
 
@@ -203,10 +221,7 @@ class Harness:
     def __init__(self, variant, dtype=torch.float32, *, num_layers=1, block_size=4, num_blocks=64,
                  seed=0, source="object", max_workspace_tokens=None):
         self.hf_cfg = make_config(variant)
-        if source == "object":
-            self.cfg = mla.MLAConfig.from_hf(self.hf_cfg)
-        else:
-            self.cfg = mla.MLAConfig.from_hf(config_json(self.hf_cfg, legacy=(source == "legacy_dict")))
+        self.cfg = mla.MLAConfig.from_hf(config_source(self.hf_cfg, source))
         self.dtype, self.num_layers = dtype, num_layers
         self.gen = torch.Generator().manual_seed(1000 + seed)
         self.attn, self.attn_lowp, self.layers = [], [], []

@@ -120,12 +120,13 @@ class PagedLatentCache:
         """Reserve slots for one step: ``requests`` is [(seq_id, num_new_tokens), ...] in the
         order of the rows of hidden_states. Unknown seq_ids start empty. Returns the Batch."""
         reqs = self._check_requests(requests)
-        need = 0
+        need, copied = 0, {}   # copied: shared block -> copies counted so far (the last writer keeps it)
         for seq, n in reqs:
             old = self._lengths.get(seq, 0)
             blocks = self._blocks.get(seq, [])
             need += self._local_blocks(old + n) - len(blocks)
-            if n > 0 and self._cow_needed(blocks, old):
+            if n > 0 and self._cow_needed(blocks, old, copied.get(blocks[-1] if blocks else None, 0)):
+                copied[blocks[-1]] = copied.get(blocks[-1], 0) + 1
                 need += 1
         if need > len(self._free):
             raise CacheFullError(f"requests: need {need} free blocks, the pool has {len(self._free)} "
@@ -203,11 +204,12 @@ class PagedLatentCache:
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
         return reqs
 
-    def _cow_needed(self, blocks: list[int], old_length: int) -> bool:
-        """The next write lands in a partly filled block that is ours and shared."""
+    def _cow_needed(self, blocks: list[int], old_length: int, copies_before: int = 0) -> bool:
+        """The next write lands in a partly filled block that is ours and still shared once
+        ``copies_before`` earlier writers of this step have copied it away."""
         last = (old_length - 1) // self.block_size
         return (old_length % self.block_size != 0 and last % self.cp_size == self.cp_rank
-                and self._refs[blocks[-1]] > 1)
+                and self._refs[blocks[-1]] - copies_before > 1)
 
     def _alloc(self) -> int:
         b = self._free.popleft()

@@ -69,8 +69,8 @@ def _decode_split_kernel(
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, DV, DR, block_size, num_splits, qk_scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr,
+    H, S_Q, DV, DR, block_size, num_splits, qk_scale, v_scale,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -113,8 +113,18 @@ def _decode_split_kernel(
         else:
             blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
             kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
-        c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
+        if KV_FMT == 2:   # FP8 tile rows (bytes): [c_kv e4m3 | DV/128 float32 scales | k_pe bf16]
+            c8 = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0)
+            scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + (dv // 128)[None, :],
+                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            c_kv = (c8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(Q.dtype.element_ty)
+            k_pe = tl.load((kv_row + DV + 4 * (DV // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] + dr[None, :],
+                           mask=n_ok[:, None] & dr_ok[None, :], other=0.0).to(Q.dtype.element_ty)
+        else:             # plain rows; FP8 rows (KV_FMT 1) widen exactly, kv_scale is in qk_scale and v_scale
+            c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                           other=0.0).to(Q.dtype.element_ty)
+            k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :],
+                           other=0.0).to(Q.dtype.element_ty)
         if IEEE:
             s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
@@ -135,7 +145,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_row = O + pid_s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
     tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -224,9 +234,11 @@ def _splits(q: torch.Tensor, ctas: int, waves: int, max_len: int) -> int:
     return max(1, min(per_seq, triton.cdiv(max_len, 64)))
 
 
-def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, cfg: DecodeConfig):
+def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, cfg: DecodeConfig,
+           kv_scale: float = 1.0):
     """``mla_decode`` with an explicit schedule (the benchmark compares several)."""
     B, s_q, H, d = q.shape
+    kv_fmt = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
     if kv_cache.stride(-1) != 1:
         kv_cache = kv_cache.contiguous()
     if q.stride(-1) != 1:
@@ -252,8 +264,9 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, dv, dr, kv_cache.shape[1], S, softmax_scale * _LOG2E,
-        CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        H, s_q, dv, dr, kv_cache.shape[1], S,
+        softmax_scale * _LOG2E * (kv_scale if kv_fmt == 1 else 1.0), kv_scale if kv_fmt == 1 else 1.0,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=kv_fmt,
         PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -272,14 +285,19 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     return out, lse
 
 
-def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True):
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, kv_scale=1.0):
     """Absorbed MLA attention over a paged latent cache (see ``mla.ops.reference.mla_decode``).
 
-    q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32;
+    q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d] in q's dtype, or FP8 rows read as they
+    are (float8_e4m3fn with kv_scale, or the uint8 tile layout of ``mla.quant``: the kernel
+    dequantizes each tile in registers, no dequantized copy); block_table [B, max_blocks] int32;
     cache_seqlens [B] int32 (including the s_q new tokens). Returns out [B, s_q, H, head_dim_v]
     in q's dtype and lse [B, s_q, H] float32. No host synchronisation: the split count comes
     from ``block_table.shape[1] * block_size``, the longest length the table can hold.
     """
     max_len = block_table.shape[1] * kv_cache.shape[1]
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                  default_config(q, max_len))
+                  default_config(q, max_len), kv_scale)
+
+
+mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")
