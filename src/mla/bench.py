@@ -80,6 +80,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--s-q", type=int, nargs="+", default=None,
                    help="query tokens per sequence (default: 1, and also 2 for 128 heads)")
     p.add_argument("--page", type=int, default=64, help="block size of the paged cache")
+    p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "fp8", "fp8_tile"],
+                   help="cache formats: bf16 rows (1152 B), fp8 per-tensor (576 B), fp8 tile rows (656 B)")
     p.add_argument("--variants", default="default",
                    help="comma list of Triton schedules to time: default, or e.g. w4-n32-s3-x2 (see decode_variant)")
     p.add_argument("--no-peers", action="store_true", help="time only the Triton kernel")
@@ -101,21 +103,29 @@ def decode_grid(args) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def decode_metrics(H, B, L, s_q, us):
-    nbytes = B * L * (DL + DR) * 2 + B * s_q * H * (DL + DR + DL) * 2
+ROW_BYTES = {"bf16": (DL + DR) * 2, "fp8": DL + DR, "fp8_tile": DL + 4 * DL // 128 + 2 * DR}
+
+
+def decode_metrics(H, B, L, s_q, us, kv="bf16"):
+    nbytes = B * L * ROW_BYTES[kv] + B * s_q * H * (DL + DR + DL) * 2
     flops = 2 * B * s_q * H * L * (DL + DR + DL)
     roof_us = max(nbytes / PEAK_BYTES_PER_S, flops / PEAK_FLOPS) * 1e6
     return dict(us=us, TBps=nbytes / us / 1e6, TFLOPs=flops / us / 1e6, roof=roof_us / us)
 
 
-def decode_case(H, B, L, s_q, page, seed=0):
+def decode_case(H, B, L, s_q, page, seed=0, kv_format="bf16"):
+    from mla import quant
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed + 7919 * H + 131 * B + L + 17 * s_q)
     pages_per_seq = math.ceil(L / page)
     kv = torch.randn(B * pages_per_seq, page, DL + DR, device=dev, dtype=torch.bfloat16, generator=g)
+    if kv_format != "bf16":   # FP8 rows of the same values (kv_scale 1)
+        kv = quant.quantize_rows(kv.view(-1, DL + DR), kv_format, DL).view(B * pages_per_seq, page, -1)
     q = torch.randn(B, s_q, H, DL + DR, device=dev, dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(B * pages_per_seq, device=dev, generator=g).to(torch.int32)
-    return dict(H=H, B=B, L=L, s_q=s_q, page=page, q=q, kv=kv, table=perm.view(B, pages_per_seq),
+    return dict(H=H, B=B, L=L, s_q=s_q, page=page, q=q, kv=kv, kv_format=kv_format,
+                table=perm.view(B, pages_per_seq),
                 seqlens=torch.full((B,), L, dtype=torch.int32, device=dev), scale=1 / math.sqrt(192))
 
 
@@ -144,7 +154,9 @@ def _flashinfer_provider():
                kv_indptr=torch.arange(B + 1, device=dev, dtype=torch.int32) * P,
                kv_indices=c["table"].reshape(-1).contiguous(), kv_len_arr=c["seqlens"], num_heads=H,
                head_dim_ckv=DL, head_dim_kpe=DR, page_size=c["page"], causal=s_q > 1, sm_scale=c["scale"],
-               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+               q_data_type=torch.bfloat16, kv_data_type=c["kv"].dtype)
+        if c["kv_format"] == "fp8_tile":
+            raise ValueError("FlashInfer has no tile-scaled FP8 MLA cache")
         q = c["q"].reshape(B * s_q, H, DL + DR)
         out = torch.empty(B * s_q, H, DL, dtype=torch.bfloat16, device=dev)
 
@@ -164,6 +176,10 @@ def _naive_provider():
         bias = torch.where(key[None, :] < limit[:, None], 0.0, float("-inf")).to(torch.bfloat16)
 
         def call(kv):
+            if c["kv_format"] != "bf16":   # the naive way: a dequantized copy of the whole cache
+                from mla import quant
+                kv = quant.dequantize_rows(kv.view(-1, kv.shape[-1]), c["kv_format"], DL, torch.bfloat16).view(
+                    kv.shape[0], kv.shape[1], DL + DR)
             k = kv[c["table"].long()].reshape(B, -1, DL + DR)
             s = torch.bmm(q, k.transpose(1, 2)) * c["scale"] + bias
             return torch.bmm(torch.softmax(s, -1), k[..., :DL]).view(B, s_q, H, DL)
@@ -218,27 +234,32 @@ def run_decode(args) -> int:
             print(f"flashinfer not available: {type(e).__name__}: {e}")
         providers["naive-torch"] = _naive_provider()
 
-    shapes = decode_grid(args)
+    shapes = [(H, B, L, s_q, kv) for kv in args.kv for (H, B, L, s_q) in decode_grid(args)]
     rows = []
     t0 = time.time()
-    for i, (H, B, L, s_q) in enumerate(shapes):
-        c = decode_case(H, B, L, s_q, args.page, seed=i)
+    for i, (H, B, L, s_q, kv_format) in enumerate(shapes):
+        c = decode_case(H, B, L, s_q, args.page, seed=i, kv_format=kv_format)
         ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], DL, c["scale"], True)[0].float()
-        kv_bytes = c["kv"].numel() * 2
-        copies = [c["kv"]] + [torch.randn_like(c["kv"]) for _ in range(max(1, min(64, math.ceil(L2_ROTATE_BYTES / kv_bytes))) - 1)]
+        kv_bytes = c["kv"].numel() * c["kv"].element_size()
+        n_copies = max(1, min(64, math.ceil(L2_ROTATE_BYTES / kv_bytes)))
+        # rotated copies: the same rows in other memory (blocks permuted), any dtype
+        copies = [c["kv"]] + [c["kv"][torch.randperm(c["kv"].shape[0], device=c["kv"].device)]
+                              for _ in range(n_copies - 1)]
         for name, make in providers.items():
-            row = dict(H=H, B=B, L=L, s_q=s_q, page=args.page, provider=name)
+            row = dict(H=H, B=B, L=L, s_q=s_q, kv=kv_format, page=args.page, provider=name)
             try:
                 call, info = make(c)
                 row["config"] = str(info)
                 row["rel_err"] = _rel_err(call(c["kv"]), ref)
-                row.update(decode_metrics(H, B, L, s_q, graph_time_us([lambda kv=kv: call(kv) for kv in copies])))
+                row.update(decode_metrics(H, B, L, s_q, graph_time_us([lambda kv=kv: call(kv) for kv in copies]),
+                                          kv_format))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
         del c, ref, copies
         torch.cuda.empty_cache()
-        print(f"[{i + 1}/{len(shapes)}] H={H} B={B} L={L} s_q={s_q} done ({time.time() - t0:.0f} s)", flush=True)
+        print(f"[{i + 1}/{len(shapes)}] H={H} B={B} L={L} s_q={s_q} kv={kv_format} done "
+              f"({time.time() - t0:.0f} s)", flush=True)
 
     _add_ratios(rows)
     print(decode_table(rows))
@@ -258,46 +279,51 @@ def run_decode(args) -> int:
     return 0
 
 
+def _key(r):
+    return r["H"], r["B"], r["L"], r["s_q"], r.get("kv", "bf16")
+
+
 def _add_ratios(rows):
-    peer = {(r["H"], r["B"], r["L"], r["s_q"]): r.get("us") for r in rows if r["provider"] == "flashinfer-fa3"}
+    peer = {_key(r): r.get("us") for r in rows if r["provider"] == "flashinfer-fa3"}
     for r in rows:
-        p = peer.get((r["H"], r["B"], r["L"], r["s_q"]))
+        p = peer.get(_key(r))
         if p and r.get("us"):
             r["ratio_fa3"] = r["us"] / p
 
 
 def decode_table(rows) -> str:
-    head = f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3}  {'provider':<16} {'us':>9} {'TB/s':>6} {'TF/s':>6} {'roof':>5} {'/fa3':>6} {'err':>8}  config"
+    head = f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8}  {'provider':<16} {'us':>9} {'TB/s':>6} {'TF/s':>6} {'roof':>5} {'/fa3':>6} {'err':>8}  config"
     out = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['H']:>4} {r['B']:>4} {r['L']:>6} {r['s_q']:>3}  {r['provider']:<16} ERROR {r['error']}")
+            out.append(f"{r['H']:>4} {r['B']:>4} {r['L']:>6} {r['s_q']:>3} {r['kv']:>8}  {r['provider']:<16} "
+                       f"ERROR {r['error']}")
             continue
         ratio = f"{r['ratio_fa3']:6.2f}" if "ratio_fa3" in r else f"{'-':>6}"
-        out.append(f"{r['H']:>4} {r['B']:>4} {r['L']:>6} {r['s_q']:>3}  {r['provider']:<16} {r['us']:9.1f} "
+        out.append(f"{r['H']:>4} {r['B']:>4} {r['L']:>6} {r['s_q']:>3} {r['kv']:>8}  {r['provider']:<16} {r['us']:9.1f} "
                    f"{r['TBps']:6.2f} {r['TFLOPs']:6.0f} {r['roof']:5.0%} {ratio} {r['rel_err']:8.1e}  {r['config']}")
     return "\n".join(out)
 
 
 def decode_summary(rows) -> str:
     """One line per shape: the default Triton schedule, the fastest variant, the peers."""
-    head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'triton':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
+    head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'triton':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
             f"{'naive':>8} {'def/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} {'roof':>5}")
     out = [head]
     keys = []
     for r in rows:
-        k = (r["H"], r["B"], r["L"], r["s_q"])
+        k = _key(r)
         if k not in keys:
             keys.append(k)
     for k in keys:
-        rs = [r for r in rows if (r["H"], r["B"], r["L"], r["s_q"]) == k and "us" in r]
+        rs = [r for r in rows if _key(r) == k and "us" in r]
         by = {r["provider"]: r for r in rs}
         tri = [r for r in rs if r["provider"].startswith("triton:")]
         best = min(tri, key=lambda r: r["us"]) if tri else None
         d, f, n = by.get("triton:default"), by.get("flashinfer-fa3"), by.get("naive-torch")
         fmt = lambda r: f"{r['us']:8.1f}" if r else f"{'-':>8}"  # noqa: E731
         rat = lambda r: f"{r['us'] / f['us']:.2f}" if r and f else "-"  # noqa: E731
-        out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {fmt(d)} {fmt(best)} "
+        out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {k[4]:>8} {fmt(d)} {fmt(best)} "
                    f"{(best['provider'][7:] if best else '-'):<15} {fmt(f)} {fmt(n)} {rat(d):>7} {rat(best):>8} "
                    + (f"{best['TBps']:5.2f} {best['TFLOPs']:5.0f} {best['roof']:5.0%}" if best else ""))
     return "\n".join(out)
