@@ -33,9 +33,14 @@ DL, DR = 512, 64
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prefill"]:   # its own options: mla/bench_prefill.py
+        from .bench_prefill import main as prefill_main
+        return prefill_main(argv[1:])
     parser = argparse.ArgumentParser(prog="mla bench", description="Kernel benchmarks on one GPU.")
     sub = parser.add_subparsers(dest="op", required=True)
     add_decode_args(sub.add_parser("decode", help="absorbed MLA decode over a paged latent cache"))
+    sub.add_parser("prefill", help="prefill attention, RoPE + append, gather, merge, and the layer's context phase")
     args = parser.parse_args(argv)
     if args.op == "decode":
         return run_decode(args)

@@ -61,7 +61,7 @@ def jit(fn=None, **kwargs):
 # Ops with a Triton kernel are re-exported here as they land; the rest fall back to the reference.
 # One line per op, so each kernel file swaps in its own line.
 from .decode import mla_decode  # noqa: E402,F401
-from ..reference import prefill_attention  # noqa: E402,F401
-from ..reference import merge_attention  # noqa: E402,F401
-from ..reference import rope_append  # noqa: E402,F401
-from ..reference import gather_latent  # noqa: E402,F401
+from .prefill import prefill_attention  # noqa: E402,F401
+from .merge import merge_attention  # noqa: E402,F401
+from .rope_append import rope_append  # noqa: E402,F401
+from .gather import gather_latent  # noqa: E402,F401

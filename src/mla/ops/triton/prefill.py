@@ -7,17 +7,19 @@ nk - nq keys is visible to every query). A query with no visible key: out 0, lse
 
 Schedule of the Triton kernel (tutorial 06, varlen):
 
-    grid = (ceil(max_nq / BLOCK_M), H, B), heaviest query blocks launched first
-    program (m, h, b):  q tile [BLOCK_M, dq] held in registers, split into a
-                        power-of-two part DA and a rest DB (192 = 128 + 64: no padding)
+    grid = (ceil(Tq / BLOCK_M) + B, H), from shapes only; heaviest query tiles first
+    program (tile, h):  its sequence b and rows from a binary search over cu_seqlens_q
+                        (sequences sit BLOCK_M rows apart in tile space); q tile
+                        [BLOCK_M, dq] in registers, split into a power-of-two part DA
+                        and a rest DB (192 = 128 + 64: no padding to 256)
         keys [0, full_end):   every query of the tile sees every key, no mask
         keys [full_end, hi):  the diagonal band, masked (causal / sequence end)
         S = q_a k_a^T + q_b k_b^T, online softmax in base 2, acc += P v
 
 Which path runs (the one place that chooses, :func:`use_cudnn`): PyTorch's cuDNN attention
-where it measured faster on the H200 (docs/PERF.md, "Prefill"), else the Triton kernel.
-cuDNN's causal mask is aligned at the top-left, which equals ours only when nq == nk, so
-it serves only batches without a prefix. The reference stays behind both in ``reference.py``.
+where it measured faster on the H200 (docs/PERF.md, "Prefill": equal-length batches with no
+prefix, 16-bit), else the Triton kernel. cuDNN's causal mask is aligned at the top-left,
+which equals ours only when nq == nk. The reference stays behind both in ``reference.py``.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from . import jit
 __all__ = ["prefill_attention", "PrefillConfig", "default_config", "launch", "use_cudnn", "cudnn_prefill"]
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+_CUDNN_MIN_LEN_CHECKED = 1024   # see use_cudnn
+_LN2 = tl.constexpr(0.6931471805599453)   # a constexpr: kernels may read it
 
 
 @dataclass(frozen=True)
@@ -40,32 +43,58 @@ class PrefillConfig:
     """Tile shapes of one launch (compile-time constants of the kernel)."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
+
+
+# tl.zeros / tl.max / tl.sum are plain triton.jit functions that the CPU (interpreter) path
+# of our dual-mode jit cannot call: tl.full and tl.reduce with these combine functions instead.
+@jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def _add(a, b):
+    return a + b
 
 
 @jit
 def _prefill_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    qk_scale,
+    qk_scale, B,
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG_B: tl.constexpr,
 ):
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M   # heavy (late) blocks first
+    # Tiles cut a padded row space where sequence b starts at P[b] = cu_q[b] + b * BLOCK_M:
+    # the BLOCK_M rows of padding after each sequence mean a tile meets at most one of them
+    # (found by binary search on P, no host read, no prefix-sum tensor). Reversed: the last
+    # (heaviest causal) tiles start first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    last_row = tile * BLOCK_M + BLOCK_M - 1
+    lo = 0                                # b = the largest index with P[b] <= last_row
+    hi = B - 1
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(CU_Q + mid) + mid * BLOCK_M <= last_row
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    b = lo
     q0 = tl.load(CU_Q + b)
     nq = tl.load(CU_Q + b + 1) - q0
-    if start_m >= nq:
+    start_m = tile * BLOCK_M - (q0 + b * BLOCK_M)    # may be < 0: rows before the sequence
+    if start_m >= nq:                                 # the tile lies in padding
         return
     k0 = tl.load(CU_K + b)
     nk = tl.load(CU_K + b + 1) - k0
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < nq
+    m_ok = (offs_m >= 0) & (offs_m < nq)
     da = tl.arange(0, BLOCK_DA)
     db = tl.arange(0, BLOCK_DB)
     dv = tl.arange(0, BLOCK_DV)
@@ -85,8 +114,8 @@ def _prefill_kernel(
         full_end = nk // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
     # Keys every query of the tile sees: no mask on scores, none on key rows.
     for start_n in range(0, full_end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
@@ -97,10 +126,10 @@ def _prefill_kernel(
             k_b = tl.load(kr + DA + db[None, :], mask=db[None, :] < DB, other=0.0)
             s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
         s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :], mask=dv[None, :] < DV, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -118,11 +147,11 @@ def _prefill_kernel(
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + off)
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: no NaN from -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
                     mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -143,7 +172,8 @@ def default_config(q: torch.Tensor) -> PrefillConfig:
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32:  # fp32 operands (ieee dot): small tiles to fit shared memory
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
-    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # (128, 128, 8 warps, 2 stages) measured fastest of four configs at 16 and 128 heads (PERF.md)
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -152,31 +182,30 @@ def _split_dim(d: int) -> tuple[int, int]:
     return da, d - da
 
 
-def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig,
-           max_seqlen_q: int | None = None):
-    """The Triton kernel with an explicit tile config (the benchmark compares several)."""
+def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig):
+    """The Triton kernel with an explicit tile config (the benchmark compares several).
+    No host synchronisation: the grid is bounded by ceil(Tq / BLOCK_M) + B tiles."""
     Tq, H, dq = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
-    if Tq == 0 or H == 0 or B == 0 or max_seqlen_q == 0:
+    if Tq == 0 or H == 0 or B == 0:
         return out, lse
     da, db = _split_dim(dq)
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), H, B)
+    grid = (triton.cdiv(Tq, cfg.block_m) + B, H)
     _prefill_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        softmax_scale * _LOG2E,
+        softmax_scale * _LOG2E, B,
         DA=da, DB=db, DV=dv,
         BLOCK_DA=max(16, da), BLOCK_DB=max(16, triton.next_power_of_2(db)) if db else 16,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOG_B=(B - 1).bit_length(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -184,12 +213,20 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
 # ---------------------------------------------------------------------------------------------
 # cuDNN (through PyTorch) and the rule that chooses.
 
-def use_cudnn(q: torch.Tensor, v: torch.Tensor, lengths_q: list[int], lengths_k: list[int]) -> bool:
-    """The rule (measured on one H200, docs/PERF.md "Prefill"): cuDNN's fused attention for
-    16-bit inputs on a CUDA device with compute capability >= 9.0 when every sequence has as
-    many queries as keys (no prefix: cuDNN's causal mask is top-left aligned) and all have the
-    same length (a free view to [B, H, n, d], no padding copy), head dims <= 256 and multiples
-    of 8; otherwise the Triton kernel."""
+def use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """The rule, from the H200 measurements in docs/PERF.md ("Prefill"): cuDNN (through
+    PyTorch, with log-sum-exp) ran 1.1-2.3x faster than our Triton kernel on every shape it
+    can serve, so it serves 16-bit inputs on CUDA devices of compute capability >= 9.0 with
+    head dims <= 256 (multiples of 8) when all B sequences have the same length n and as many
+    queries as keys (cuDNN's causal mask is aligned top-left, ours at the ends: the two agree
+    only without a prefix; equal lengths make [Tq, H, d] a free [B, H, n, d] view). Everything
+    else (varlen batches, cached prefixes, fp32, CPU) runs the Triton kernel.
+
+    Shapes decide first (inputs are packed: cu_seqlens[-1] is the row count). One sequence
+    with Tq == Tk qualifies without a host read. Several sequences need one read of the
+    offsets, which drains the stream (it cost 0.1-0.2 ms a call in the benchmark), so they
+    are checked only when n = Tq / B >= 1024, where cuDNN's lead is larger than that."""
+    Tq, Tk, B = q.shape[0], k.shape[0], cu_seqlens_q.shape[0] - 1
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
@@ -199,8 +236,14 @@ def use_cudnn(q: torch.Tensor, v: torch.Tensor, lengths_q: list[int], lengths_k:
     dq, dv = q.shape[-1], v.shape[-1]
     if dq > 256 or dv > 256 or dq % 8 or dv % 8:
         return False
-    return (len(lengths_q) > 0 and lengths_q == lengths_k and lengths_q[0] > 0
-            and all(n == lengths_q[0] for n in lengths_q))
+    if B <= 0 or Tq == 0 or Tq != Tk or Tq % B:
+        return False
+    if B == 1:
+        return True
+    if Tq // B < _CUDNN_MIN_LEN_CHECKED:
+        return False
+    equal = torch.arange(B + 1, device=q.device, dtype=torch.int32) * (Tq // B)
+    return bool(((cu_seqlens_q != equal) | (cu_seqlens_k != equal)).any().logical_not().item())
 
 
 def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
@@ -222,14 +265,10 @@ def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
     """Varlen packed attention with LSE (see ``mla.ops.reference.prefill_attention``).
 
-    q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32.
-    Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32. Reads cu_seqlens on the
-    host once (the grid and the choice of path depend on the lengths).
+    q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 (from 0).
+    Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32. The path is chosen by
+    :func:`use_cudnn`; the Triton path reads nothing on the host.
     """
-    both = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
-    lengths_q = [b - a for a, b in zip(both[0][:-1], both[0][1:])]
-    lengths_k = [b - a for a, b in zip(both[1][:-1], both[1][1:])]
-    if use_cudnn(q, v, lengths_q, lengths_k):
-        return cudnn_prefill(q, k, v, len(lengths_q), softmax_scale, causal)
-    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, default_config(q),
-                  max_seqlen_q=max(lengths_q, default=0))
+    if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return cudnn_prefill(q, k, v, cu_seqlens_q.shape[0] - 1, softmax_scale, causal)
+    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, default_config(q))

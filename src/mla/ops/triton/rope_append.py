@@ -1,0 +1,104 @@
+"""Fused RoPE + latent-cache append: ``rope_append`` in one kernel.
+
+For every token t (one program per token and block of heads):
+
+    q_pe[t, h]  <- rope(q_pe[t, h])            in place, every head h
+    k_pe[t]     <- rope(k_pe[t])               in place (first head block only)
+    kv_cache[slot_mapping[t]] <- [c_kv[t] | k_pe[t]]   (r + dr values, cast to the cache dtype)
+
+RoPE pairs (x1, x2) are (2i, 2i + 1) (interleaved) or (i, i + dr/2) (neox); the rotation
+is (x1 c - x2 s, x2 c + x1 s) in float32 with cos, sin [T, dr/2], cast back to the input
+dtype, exactly as ``mla.rope.apply_rope``. Every tensor is passed with its strides, so
+q_pe may be the view q[..., dn:] of [T, H, dn + dr] and k_pe, c_kv views of [T, r + dr].
+A negative slot (padding) rotates but writes no cache row. Rows are loaded whole (16-byte
+accesses) and split into pairs in registers; dr must be a power of two (64 in every preset;
+other sizes fall back to the reference).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import jit
+
+__all__ = ["rope_append"]
+
+
+@jit
+def _rotate(x, c, s, ROWS: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """rope of rows x [ROWS, 2 * HALF] (loaded whole, so the access stays contiguous)."""
+    if INTERLEAVE:
+        x1, x2 = tl.split(tl.reshape(x, (ROWS, HALF, 2)))
+    else:
+        x1, x2 = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, HALF)), (0, 2, 1)))
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    y1 = x1 * c[None, :] - x2 * s[None, :]
+    y2 = x2 * c[None, :] + x1 * s[None, :]
+    if INTERLEAVE:
+        return tl.reshape(tl.join(y1, y2), (ROWS, 2 * HALF))
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (ROWS, 2 * HALF))
+
+
+@jit
+def _rope_append_kernel(
+    QPE, KPE, CKV, COS, SIN, KV, SLOTS,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kd, stride_ct, stride_cd,
+    stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
+    H, R, block_size,
+    HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    i = tl.arange(0, HALF)
+    d = tl.arange(0, 2 * HALF)
+    c = tl.load(COS + t64 * stride_cos + i)
+    s = tl.load(SIN + t64 * stride_sin + i)
+
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (h < H)[:, None]
+    q_ptr = QPE + t64 * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+    x = tl.load(q_ptr, mask=ok, other=0.0)
+    tl.store(q_ptr, _rotate(x, c, s, BLOCK_H, HALF, INTERLEAVE).to(QPE.dtype.element_ty), mask=ok)
+
+    if hb == 0:
+        k_ptr = KPE + t64 * stride_kt + d[None, :] * stride_kd
+        k = _rotate(tl.load(k_ptr), c, s, 1, HALF, INTERLEAVE).to(KPE.dtype.element_ty)
+        tl.store(k_ptr, k)
+        slot = tl.load(SLOTS + t)
+        if slot >= 0:
+            dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
+            out_ty = KV.dtype.element_ty
+            tl.store(dst + (R + d[None, :]) * stride_kvd, k.to(out_ty))
+            for r0 in range(0, R, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
+                tl.store(dst + r * stride_kvd, c_kv.to(out_ty), mask=r < R)
+
+
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
+    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] float32 and write
+    [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks, block_size, r + dr] at the
+    flat slots slot_mapping [T] int64. Returns None (see ``mla.ops.reference.rope_append``)."""
+    T, H, dr = q_pe.shape
+    r = c_kv.shape[-1]
+    if T == 0:
+        return None
+    half = dr // 2
+    if dr < 2 or dr & (dr - 1):   # the kernel splits whole rows in two: dr a power of two
+        from ..reference import rope_append as reference_rope_append
+
+        return reference_rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
+    block_h = min(32, triton.next_power_of_2(max(H, 1)))
+    grid = (T, triton.cdiv(H, block_h) if H > 0 else 1)
+    _rope_append_kernel[grid](
+        q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
+        c_kv.stride(0), c_kv.stride(1), cos.stride(0), sin.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        H, r, kv_cache.shape[1],
+        HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
+        BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), num_warps=4,
+    )
+    return None

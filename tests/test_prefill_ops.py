@@ -1,0 +1,238 @@
+"""The prefill-path Triton kernels against their references.
+
+On CPU the kernels run under Triton's interpreter, on tiny shapes, in float32 and float16
+(the interpreter computes tl.dot on bfloat16 wrongly, so bf16 attention is checked on the
+GPU only). Attention tolerance is tied to the arithmetic, as flash-attn's tests do: the
+kernel's error against a float64 oracle must stay within twice the error of plain PyTorch
+computing the same attention in the input dtype. Copies (gather, the cache rows) must be exact.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla.ops import gather_latent, merge_attention, prefill_attention, reference, rope_append
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
+
+
+def _attention(q, k, v, cu_q, cu_k, scale, causal, dtype):
+    """Plain PyTorch attention computed entirely in ``dtype`` (the oracle in float64)."""
+    Tq, H, _ = q.shape
+    out = torch.zeros(Tq, H, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=dtype, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if nq == 0 or nk == 0:
+            continue
+        qb = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
+        kb = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1)
+        vb = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1)
+        s = (qb @ kb.transpose(1, 2)) * scale
+        if causal:
+            i = torch.arange(nq, device=q.device)[:, None]
+            j = torch.arange(nk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + nk - nq, float("-inf"))
+        l = torch.logsumexp(s, -1)
+        seen = torch.isfinite(l)
+        p = torch.exp(s - torch.where(seen, l, 0).unsqueeze(-1))
+        out[cq[b]:cq[b + 1]] = (p @ vb).transpose(0, 1)
+        lse[cq[b]:cq[b + 1]] = l.transpose(0, 1)
+    return out, lse
+
+
+def _check_attention(out, lse, q, k, v, cu_q, cu_k, scale, causal):
+    """Kernel error vs float64 <= 2x PyTorch's error in q's dtype (+ a few ulps of slack)."""
+    ref_o, ref_l = _attention(q, k, v, cu_q, cu_k, scale, causal, torch.float64)
+    pt_o, pt_l = _attention(q, k, v, cu_q, cu_k, scale, causal, q.dtype)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l)), "queries without keys must match (-inf)"
+    empty = torch.isinf(ref_l)
+    assert (out[empty] == 0).all()
+    eps = torch.finfo(q.dtype).eps
+    fin = ~empty
+    if fin.any():
+        err_o = (out.double() - ref_o).abs().max().item()
+        pt_err_o = (pt_o.double() - ref_o).abs().max().item()
+        assert err_o <= 2 * pt_err_o + 4 * eps * ref_o.abs().max().item(), (err_o, pt_err_o)
+        err_l = (lse.double() - ref_l)[fin].abs().max().item()
+        pt_err_l = (pt_l.double() - ref_l)[fin].abs().max().item()
+        assert err_l <= 2 * pt_err_l + 4 * eps * ref_l[fin].abs().max().item(), (err_l, pt_err_l)
+
+
+# (queries per sequence, keys per sequence, dq, dv): zero-length sequences, a cached prefix
+# (nk > nq), more queries than keys (the first ones see none), dq = 24 = 16 + 8, dq = 32.
+CASES = [
+    ([5, 0, 17, 3], [5, 0, 17, 3], 24, 16),
+    ([4, 7, 0, 2, 6], [9, 7, 3, 0, 23], 24, 16),
+    ([9, 1], [4, 1], 32, 8),
+    ([33], [40], 24, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_prefill_attention_cpu(dtype, causal, heads, case):
+    lq, lk, dq, dv = CASES[case]
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    q = torch.randn(sum(lq), heads, dq).to(dtype)
+    k = torch.randn(sum(lk), heads, dq).to(dtype)
+    v = torch.randn(sum(lk), heads, dv).to(dtype)
+    scale = 1.5 / math.sqrt(dq)   # peakier than default: masking errors show
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, scale, causal, backend="triton")
+    _check_attention(out, lse, q, k, v, cu_q, cu_k, scale, causal)
+
+
+def test_prefill_strided_views_cpu():
+    """k and v as views of one [Tk, H, dq + dv] buffer (as kv_b_proj's output is split)."""
+    lq, lk, H, dq, dv = [6, 11], [6, 20], 3, 24, 16
+    kv = torch.randn(sum(lk), H, dq + dv)
+    q = torch.randn(sum(lq), H, dq)
+    k, v = kv[..., :dq], kv[..., dq:]
+    out, lse = prefill_attention(q, k, v, _cu(lq), _cu(lk), 0.3, True, backend="triton")
+    _check_attention(out, lse, q, k, v, _cu(lq), _cu(lk), 0.3, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_attention_cpu(dtype):
+    rows, H, d = 7, 3, 20
+    out_a, out_b = torch.randn(rows, H, d).to(dtype), torch.randn(rows, H, d).to(dtype)
+    lse_a, lse_b = torch.randn(rows, H) * 3, torch.randn(rows, H) * 3
+    lse_a[0], lse_b[1] = float("-inf"), float("-inf")          # one part empty
+    lse_a[2], lse_b[2] = float("-inf"), float("-inf")          # both empty
+    lse_a[3, 0], lse_b[3, 0] = 80.0, -80.0                     # far apart: no overflow
+    out, lse = merge_attention(out_a, lse_a, out_b, lse_b, backend="triton")
+    ref_l = torch.logaddexp(lse_a.double(), lse_b.double())
+    safe = torch.where(torch.isfinite(ref_l), ref_l, 0)
+    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a.double() - safe), 0)
+    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b.double() - safe), 0)
+    ref_o = out_a.double() * wa[..., None] + out_b.double() * wb[..., None]
+    assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l)) and (out[2] == 0).all()
+    ref_lo = reference.merge_attention(out_a, lse_a, out_b, lse_b)[0]   # PyTorch in dtype
+    eps = torch.finfo(dtype).eps
+    err, pt_err = (out.double() - ref_o).abs().max().item(), (ref_lo.double() - ref_o).abs().max().item()
+    assert err <= 2 * pt_err + 4 * eps * ref_o.abs().max().item()
+    fin = torch.isfinite(ref_l)
+    assert (lse.double() - ref_l)[fin].abs().max().item() <= 8 * torch.finfo(torch.float32).eps * 80
+
+
+def test_merge_splits_prefill_exactly_cpu():
+    """Attention over [prefix | new] = merge(prefix part, full mask; new part, causal)."""
+    H, dq, dv, lq, lp = 3, 24, 16, [5, 0, 9], [7, 4, 0]
+    q = torch.randn(sum(lq), H, dq)
+    k_p, v_p = torch.randn(sum(lp), H, dq), torch.randn(sum(lp), H, dv)
+    k_n, v_n = torch.randn(sum(lq), H, dq), torch.randn(sum(lq), H, dv)
+    cu_q, cu_p = _cu(lq), _cu(lp)
+    o_p, l_p = prefill_attention(q, k_p, v_p, cu_q, cu_p, 0.4, False, backend="triton")
+    o_n, l_n = prefill_attention(q, k_n, v_n, cu_q, cu_q, 0.4, True, backend="triton")
+    out, lse = merge_attention(o_p, l_p, o_n, l_n, backend="triton")
+    parts = [(k_p[cu_p[b]:cu_p[b + 1]], k_n[cu_q[b]:cu_q[b + 1]]) for b in range(len(lq))]
+    k = torch.cat([torch.cat(p) for p in parts])
+    v = torch.cat([torch.cat((v_p[cu_p[b]:cu_p[b + 1]], v_n[cu_q[b]:cu_q[b + 1]])) for b in range(len(lq))])
+    _check_attention(out, lse, q, k, v, cu_q, _cu([a + b for a, b in zip(lq, lp)]), 0.4, True)
+
+
+def _rope_inputs(T, H, dn, dr, r, dtype, device="cpu"):
+    q = torch.randn(T, H, dn + dr, device=device).to(dtype)
+    kv_a = torch.randn(T, r + dr, device=device).to(dtype)
+    ang = torch.rand(T, dr // 2, device=device) * 10
+    return q, kv_a, ang.cos(), ang.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # the interpreter rounds to bf16 differently
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_rope_append_cpu(dtype, interleave, heads):
+    T, dn, dr, r, nb, bs = 5, 8, 16, 24, 6, 4
+    q, kv_a, cos, sin = _rope_inputs(T, heads, dn, dr, r, dtype)
+    slots = torch.randperm(nb * bs)[:T]                          # scattered over shuffled blocks
+    cache = torch.randn(nb, bs, r + dr).to(dtype)
+    q_ref, kv_ref, cache_ref = q.clone(), kv_a.clone(), cache.clone()
+    before = cache.clone()
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, interleave, backend="triton")
+    reference.rope_append(q_ref[..., dn:], kv_ref[:, r:], kv_ref[:, :r], cos, sin, cache_ref, slots, interleave)
+    assert torch.equal(q, q_ref) and torch.equal(kv_a, kv_ref)   # q_nope and c_kv untouched too
+    assert torch.equal(cache, cache_ref)
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(cache.view(-1, r + dr)[untouched], before.view(-1, r + dr)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_latent_cpu(dtype):
+    nb, bs, d = 12, 4, 40
+    lengths, starts = [5, 0, 9, 3], [2, 0, 0, 6]
+    B, max_blocks = len(lengths), 5
+    cache = torch.full((nb, bs, d), float("nan")).to(dtype)
+    perm = torch.randperm(nb)
+    block_table = torch.zeros(B, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, (n, s) in enumerate(zip(lengths, starts)):
+        need = (n + s + bs - 1) // bs
+        block_table[b, :need] = perm[used:used + need].to(torch.int32)
+        cache[perm[used:used + need]] = torch.randn(need, bs, d).to(dtype)  # only used blocks hold data
+        used += need
+    cu = _cu(lengths)
+    st = torch.tensor(starts, dtype=torch.int32)
+    out = gather_latent(cache, block_table, st, cu, sum(lengths), backend="triton")
+    ref = reference.gather_latent(cache, block_table, st, cu, sum(lengths))
+    assert not out.isnan().any() and torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------- GPU, real shapes
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lq,lk", [([1000, 0, 2048], [1000, 0, 2048]), ([300, 513], [4096, 513]),
+                                   ([1024] * 4, [1024] * 4)])
+def test_prefill_attention_gpu(heads, lq, lk):
+    dq, dv = 192, 128
+    cu_q, cu_k = _cu(lq, "cuda"), _cu(lk, "cuda")
+    q = torch.randn(sum(lq), heads, dq, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lk), heads, dq, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lk), heads, dv, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(dq)
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, scale, True)
+    ref_o, ref_l = _attention(q, k, v, cu_q, cu_k, scale, True, torch.float64)
+    pt_o, _ = _attention(q, k, v, cu_q, cu_k, scale, True, torch.bfloat16)
+    err, pt_err = (out.double() - ref_o).abs().max().item(), (pt_o.double() - ref_o).abs().max().item()
+    assert err <= 2 * pt_err, (err, pt_err)
+    fin = torch.isfinite(ref_l)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse.double() - ref_l)[fin].abs().max().item() < 1e-2
+
+
+@gpu
+def test_rope_append_and_gather_gpu():
+    T, H, dn, dr, r, bs = 3000, 128, 128, 64, 512, 64
+    nb = (T + bs - 1) // bs + 8
+    q, kv_a, cos, sin = _rope_inputs(T, H, dn, dr, r, torch.bfloat16, "cuda")
+    slots = torch.randperm(nb * bs, device="cuda")[:T]
+    cache = torch.full((nb, bs, r + dr), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q_ref, kv_ref, cache_ref = q.clone(), kv_a.clone(), cache.clone()
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, True)
+    reference.rope_append(q_ref[..., dn:], kv_ref[:, r:], kv_ref[:, :r], cos, sin, cache_ref, slots, True)
+    # FMA contraction on the GPU may move a rotated value by one bf16 ulp; copies are exact.
+    assert torch.equal(kv_a[:, :r], kv_ref[:, :r]) and torch.equal(q[..., :dn], q_ref[..., :dn])
+    torch.testing.assert_close(q, q_ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(cache.isnan(), cache_ref.isnan())
+    torch.testing.assert_close(cache.nan_to_num(), cache_ref.nan_to_num(), rtol=1e-2, atol=1e-2)
+    lengths, starts = [1000, 0, 3000], [0, 0, 100]
+    max_blocks = (3100 + bs - 1) // bs
+    cache = torch.randn(3 * max_blocks, bs, r + dr, device="cuda").to(torch.bfloat16)
+    block_table = torch.randperm(3 * max_blocks, device="cuda").view(3, max_blocks).to(torch.int32)
+    cu, st = _cu(lengths, "cuda"), torch.tensor(starts, dtype=torch.int32, device="cuda")
+    out = gather_latent(cache, block_table, st, cu, sum(lengths))
+    assert torch.equal(out, reference.gather_latent(cache, block_table, st, cu, sum(lengths)))
