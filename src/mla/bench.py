@@ -146,6 +146,17 @@ def _triton_provider(variant):
     return make
 
 
+def _op_provider():
+    """The public op as the library dispatches it (Gluon or Triton kernel, mla/ops/triton/decode.py)."""
+    from mla.ops import mla_decode
+
+    def make(c):
+        def call(kv):
+            return mla_decode(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True)[0]
+        return call, "dispatch"
+    return make
+
+
 def _flashinfer_provider():
     import flashinfer  # the one place the benchmark imports FlashInfer
 
@@ -231,7 +242,7 @@ def run_decode(args) -> int:
 
     for v in variants:
         decode_variant(v, DecodeConfig())  # unknown parts fail here, before any GPU work
-    providers = {f"triton:{v}": _triton_provider(v) for v in variants}
+    providers = {"mla.ops": _op_provider(), **{f"triton:{v}": _triton_provider(v) for v in variants}}
     if not args.no_peers:
         try:
             providers["flashinfer-fa3"] = _flashinfer_provider()
@@ -311,9 +322,9 @@ def decode_table(rows) -> str:
 
 
 def decode_summary(rows) -> str:
-    """One line per shape: the default Triton schedule, the fastest variant, the peers."""
-    head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'triton':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
-            f"{'naive':>8} {'def/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} {'roof':>5}")
+    """One line per shape: the public op as dispatched, the fastest Triton variant, the peers."""
+    head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'mla.ops':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
+            f"{'naive':>8} {'op/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} {'roof':>5}")
     out = [head]
     keys = []
     for r in rows:
@@ -325,7 +336,7 @@ def decode_summary(rows) -> str:
         by = {r["provider"]: r for r in rs}
         tri = [r for r in rs if r["provider"].startswith("triton:")]
         best = min(tri, key=lambda r: r["us"]) if tri else None
-        d, f, n = by.get("triton:default"), by.get("flashinfer-fa3"), by.get("naive-torch")
+        d, f, n = by.get("mla.ops"), by.get("flashinfer-fa3"), by.get("naive-torch")
         fmt = lambda r: f"{r['us']:8.1f}" if r else f"{'-':>8}"  # noqa: E731
         rat = lambda r: f"{r['us'] / f['us']:.2f}" if r and f else "-"  # noqa: E731
         out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {k[4]:>8} {fmt(d)} {fmt(best)} "

@@ -295,9 +295,23 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     in q's dtype and lse [B, s_q, H] float32. No host synchronisation: the split count comes
     from ``block_table.shape[1] * block_size``, the longest length the table can hold.
     """
+    if use_gluon(q, kv_cache, head_dim_v):
+        from .decode_gluon import mla_decode_gluon
+        return mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
     max_len = block_table.shape[1] * kv_cache.shape[1]
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                   default_config(q, max_len), kv_scale)
+
+
+def use_gluon(q, kv_cache, head_dim_v) -> bool:
+    """The one rule between the two decode kernels: the Gluon (wgmma + TMA) kernel on Hopper
+    when its 64-row tile is full (H * s_q >= 64) and the cache is plain bf16/fp16 rows of 576;
+    measured on an H200 at 128 heads 1.44-1.79x FlashInfer fa3's time against 2.0-2.3x for
+    this kernel, and slower than this kernel at 16 heads (docs/PERF.md)."""
+    if q.device.type != "cuda" or q.shape[1] * q.shape[2] < 64 or head_dim_v != 512:
+        return False
+    from .decode_gluon import supports
+    return supports(q, kv_cache)
 
 
 mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")

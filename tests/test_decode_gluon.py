@@ -1,0 +1,150 @@
+"""The Gluon (sm90) decode hot path ``mla.ops.triton.decode_gluon`` against a float64 reference.
+
+GPU-only: skipped without CUDA or without a compute-capability-9.x device. DeepSeek shapes
+(d = 576, dv = 512), bf16/fp16, page 64 and 128; fresh random data, shuffled block tables,
+NaN in every unused block, in the slots past each sequence's end and behind unused
+block-table entries. Tolerance: the kernel's error against float64 at most twice that of
+PyTorch doing the same in the input precision; lse within 1e-5 relative.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla.ops import reference
+
+CUDA = torch.cuda.is_available()
+SM90 = CUDA and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not SM90, reason="needs an sm90 (Hopper) GPU")
+
+if SM90:
+    from mla.ops.triton import decode_gluon as dg
+
+DV, DR = 512, 64
+
+
+def make_case(lens, s_q, H, block_size, dtype, seed, spare_blocks=3):
+    g = torch.Generator().manual_seed(seed)
+    B, d = len(lens), DV + DR
+    need = [math.ceil(n / block_size) for n in lens]
+    max_blocks = max(need + [1]) + 1
+    num_blocks = sum(need) + spare_blocks
+    kv = torch.full((num_blocks, block_size, d), float("nan"), dtype=torch.float32)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.empty(B, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        blocks = perm[used:used + need[b]]
+        used += need[b]
+        table[b] = perm[-1 - torch.randint(spare_blocks, (max_blocks,), generator=g)].int()
+        table[b, :need[b]] = blocks.int()
+        rows = torch.randn(n, d, generator=g)
+        for j in range(need[b]):
+            k = min(block_size, n - j * block_size)
+            kv[blocks[j], :k] = rows[j * block_size: j * block_size + k]
+    q = torch.randn(B, s_q, H, d, generator=g)
+    dev = "cuda"
+    return (q.to(dtype=dtype, device=dev), kv.to(dtype=dtype, device=dev), table.to(dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev))
+
+
+def attend(q, kv, table, seqlens, scale, causal, dtype):
+    """Decode attention in ``dtype`` arithmetic (float64: the oracle)."""
+    B, s_q, H, _ = q.shape
+    out = torch.zeros(B, s_q, H, DV, dtype=torch.float64)
+    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(seqlens.tolist()):
+        if n == 0:
+            continue
+        k = reference.gather_rows(kv, table[b], n).to(dtype)
+        qb = q[b].to(dtype).transpose(0, 1)
+        scores = (qb @ k.T).double() * scale
+        key = torch.arange(n, device=q.device)
+        limit = (n - s_q + 1 + torch.arange(s_q, device=q.device)) if causal else torch.full((s_q,), n, device=q.device)
+        scores = scores.masked_fill(~(key[None, :] < limit[:, None])[None], float("-inf"))
+        lse_b = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.where(torch.isfinite(lse_b), lse_b, 0.0)[..., None])
+        out[b] = (p.to(dtype) @ k[:, :DV]).double().transpose(0, 1).cpu()
+        lse[b] = lse_b.transpose(0, 1).cpu()
+    return out, lse
+
+
+def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, **kw):
+    q, kv, table, seqlens = make_case(lens, s_q, H, block_size, dtype, seed)
+    assert dg.supports(q, kv, block_size)
+    scale = 1.0 / math.sqrt(DV + DR)
+    out, lse = dg.launch_gluon(q, kv, table, seqlens, DV, scale, causal, **kw)
+    assert out.shape == (len(lens), s_q, H, DV) and out.dtype == dtype
+    assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
+    ref_out, ref_lse = attend(q, kv, table, seqlens, scale, causal, torch.float64)
+    out, lse = out.double().cpu(), lse.double().cpu()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty] == 0).all() and (lse[empty] < 0).all()
+    low_out, _ = attend(q, kv, table, seqlens, scale, causal, dtype)
+    denom = ref_out.norm().clamp_min(1e-30)
+    err = ((out - ref_out).norm() / denom).item()
+    err_torch = ((low_out - ref_out).norm() / denom).item()
+    assert err <= 2 * err_torch, f"kernel rel err {err:.3e} > 2 x torch {dtype} rel err {err_torch:.3e}"
+    fin = ~empty
+    if fin.any():
+        lse_err = ((lse[fin] - ref_lse[fin]).abs() / ref_lse[fin].abs().clamp_min(1.0)).max().item()
+        assert lse_err <= 1e-5, f"lse rel err {lse_err:.3e}"
+    return err
+
+
+@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
+@pytest.mark.parametrize("H,s_q", [(16, 1), (16, 4), (64, 2), (128, 1), (128, 3), (3, 2), (63, 4)])
+def test_heads_sq(H, s_q, pipe):
+    # length 0, == s_q, 1, a partial tail, several pages
+    check([0, s_q, 1, 700, 4099, 2048], s_q, H, seed=H * 10 + s_q, pipe=pipe)
+
+
+@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
+def test_varlen_1_to_20000(pipe):
+    g = torch.Generator().manual_seed(5)
+    lens = [1, 2, 63, 64, 65, 20000] + torch.randint(1, 20001, (10,), generator=g).tolist()
+    check(lens, 2, 16, seed=5, pipe=pipe)
+    check(lens[:8], 1, 128, seed=6, pipe=pipe)
+
+
+@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+def test_explicit_splits_and_empty_splits(splits, pipe):
+    # 40 splits of short sequences: many splits are empty (lse -inf, weight 0 in the combine)
+    check([5, 130, 1000], 2, 16, seed=splits, num_splits=splits, pipe=pipe)
+
+
+def test_fp16_page128_non_causal():
+    check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1)
+    check([5000, 7], 3, 128, causal=False, seed=3)
+
+
+def test_entry_point_and_graph_capture():
+    q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 64, torch.bfloat16, seed=9)
+    scale = 1 / math.sqrt(576)
+    dg.mla_decode_gluon(q, kv.unsqueeze(2), table, seqlens, DV, scale, True)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = dg.mla_decode_gluon(q, kv, table, seqlens, DV, scale, True)
+    seqlens.copy_(torch.tensor([900, 2500], dtype=torch.int32))
+    g.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = dg.mla_decode_gluon(q, kv, table, seqlens, DV, scale, True)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+def test_supports_rejects():
+    q = torch.randn(1, 1, 16, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(4, 64, 576, device="cuda", dtype=torch.bfloat16)
+    assert dg.supports(q, kv, 64)
+    assert not dg.supports(q, kv[:, :32], 32)                      # block_size not a multiple of 64
+    assert not dg.supports(q.float(), kv.float(), 64)              # fp32
+    assert not dg.supports(q[..., :320], kv[..., :320], 64)        # other head dims
+    assert not dg.supports(q.cpu(), kv.cpu(), 64)
+    assert not dg.supports(q, kv[::2], 64)                         # blocks not one row matrix
