@@ -152,7 +152,7 @@ def main(argv=None):
         grid = [(1, 4096), (8, 4096), (64, 4096), (1, 65536), (8, 65536), (1, 262144)]
         if args.quick:
             grid = grid[:2]
-    layouts = [(tp, world // tp) for tp in (world, 1)] + ([(2, world // 2)] if world >= 4 else [])
+    layouts = list(dict.fromkeys([(world, 1), (1, world)] + ([(2, world // 2)] if world >= 4 else [])))
     os.environ["MASTER_PORT"] = str(_port())
     with mp.Manager() as m:
         results = m.dict()

@@ -257,7 +257,7 @@ def time_layer(rows, quick):
 
 
 def _print(rows, cols):
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in cols}
     print(" | ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mla bench prefill", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4k shapes only")
     ap.add_argument("--csv", help="write every row to this CSV file")
+    ap.add_argument("--layer-only", action="store_true", help="time only the layer's context phase")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla bench prefill: needs a CUDA GPU")
@@ -276,6 +277,8 @@ def main(argv=None) -> int:
     checks, att, mem, lay = [], [], [], []
     steps = (lambda: check_attention(checks), lambda: bench_memory_ops(mem, checks),
              lambda: time_attention(att, args.quick), lambda: time_layer(lay, args.quick))
+    if args.layer_only:
+        steps = steps[-1:]
     for step in steps:
         try:
             step()

@@ -74,6 +74,7 @@ class PagedLatentCache:
         width = quant.row_width(self.format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.kv = torch.zeros(num_layers, num_blocks, block_size, width, device=self.device,
                               dtype=quant.storage_dtype(self.format, dtype))
+        self.device = self.kv.device    # "cuda" -> "cuda:0": compared with the layer's device
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._blocks: dict[Hashable, list[int]] = {}

@@ -89,6 +89,9 @@ def _decode_split_kernel(
     q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qi + h * stride_qh
     q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
     q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+    if KV_FMT == 1:   # FP8 rows widen to fp16 in one instruction per pair (bf16 takes three): fp16 operands
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     seqlen = tl.load(SEQLENS + b)
     per_split = (seqlen + num_splits - 1) // num_splits
@@ -115,16 +118,18 @@ def _decode_split_kernel(
             kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
         if KV_FMT == 2:   # FP8 tile rows (bytes): [c_kv e4m3 | DV/128 float32 scales | k_pe bf16]
             c8 = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0)
-            scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + (dv // 128)[None, :],
-                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-            c_kv = (c8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(Q.dtype.element_ty)
+            t = tl.arange(0, BLOCK_DV // 128)         # one float32 scale per 128 latent values
+            scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + t[None, :],
+                            mask=n_ok[:, None] & (t < DV // 128)[None, :], other=0.0)
+            c = tl.reshape(c8.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, BLOCK_DV // 128, 128])
+            c_kv = tl.reshape(c * scale[:, :, None], [BLOCK_N, BLOCK_DV]).to(Q.dtype.element_ty)
             k_pe = tl.load((kv_row + DV + 4 * (DV // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] + dr[None, :],
                            mask=n_ok[:, None] & dr_ok[None, :], other=0.0).to(Q.dtype.element_ty)
         else:             # plain rows; FP8 rows (KV_FMT 1) widen exactly, kv_scale is in qk_scale and v_scale
             c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
-                           other=0.0).to(Q.dtype.element_ty)
+                           other=0.0).to(q_nope.dtype)
             k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :],
-                           other=0.0).to(Q.dtype.element_ty)
+                           other=0.0).to(q_nope.dtype)
         if IEEE:
             s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
