@@ -89,7 +89,7 @@ def _decode_split_kernel(
     q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qi + h * stride_qh
     q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
     q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
-    if KV_FMT == 1:   # FP8 rows widen to fp16 in one instruction per pair (bf16 takes three): fp16 operands
+    if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
 
