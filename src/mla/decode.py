@@ -20,14 +20,14 @@ __all__ = ["absorbed"]
 
 
 def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-    """[T, H, dn], [T, H, dr] -> fused query [T, H, r + dr]."""
+    """[T, H, dn], [T, H, dr] -> fused query [T, H, r + dr] (a view of [H, T, r + dr] storage)."""
     T, H, _ = q_nope.shape
     r = layer.cfg.kv_lora_rank
-    q = torch.empty(T, H, r + q_pe.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
-    # bmm over heads: [H, T, dn] @ [H, dn, r] -> [H, T, r]
-    q[..., :r] = torch.bmm(q_nope.transpose(0, 1), layer.W_UK).transpose(0, 1)
-    q[..., r:] = q_pe
-    return q
+    q = torch.empty(H, T, r + q_pe.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    # bmm over heads, [H, T, dn] @ [H, dn, r], written straight into the fused buffer (no copy)
+    torch.bmm(q_nope.transpose(0, 1), layer.W_UK, out=q[..., :r])
+    q[..., r:] = q_pe.transpose(0, 1)
+    return q.transpose(0, 1)
 
 
 def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor) -> torch.Tensor:
