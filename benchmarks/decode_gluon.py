@@ -12,7 +12,6 @@ PV), suffix ``-x2`` / ``-h2`` for twice / half the default splits.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 import time
@@ -125,11 +124,7 @@ def main(argv=None) -> int:
             gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
             print(f"{n}: geomean time/fa3 {gm:.2f} over {len(rs)} shapes, <= 1.0 on {sum(x <= 1.0 for x in rs)}")
     if args.csv:
-        keys = sorted({k for r in rows for k in r})
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+        bench.write_csv(rows, args.csv)
     return 0
 
 

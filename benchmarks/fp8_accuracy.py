@@ -15,17 +15,7 @@ import torch
 
 import mla
 from mla.demo import random_state_dict
-
-
-def quantize_block_fp8(w: torch.Tensor):
-    out_f, in_f = w.shape
-    bo, bi = -(-out_f // 128), -(-in_f // 128)
-    padded = torch.zeros(bo * 128, bi * 128)
-    padded[:out_f, :in_f] = w
-    tiles = padded.view(bo, 128, bi, 128)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(bo * 128, bi * 128)[:out_f, :in_f]
-    return q.contiguous(), scale
+from mla.weights import quantize_block_fp8
 
 
 def run(cfg, sd, dtype, cache_dtype, device, steps, scaling="tensor"):

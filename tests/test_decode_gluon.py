@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mla.ops import reference
+from test_decode_kernel import make_case as _make_case
 
 CUDA = torch.cuda.is_available()
 SM90 = CUDA and torch.cuda.get_device_capability()[0] == 9
@@ -25,29 +26,8 @@ if SM90:
 DV, DR = 512, 64
 
 
-def make_case(lens, s_q, H, block_size, dtype, seed, spare_blocks=3):
-    g = torch.Generator().manual_seed(seed)
-    B, d = len(lens), DV + DR
-    need = [math.ceil(n / block_size) for n in lens]
-    max_blocks = max(need + [1]) + 1
-    num_blocks = sum(need) + spare_blocks
-    kv = torch.full((num_blocks, block_size, d), float("nan"), dtype=torch.float32)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.empty(B, max_blocks, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        blocks = perm[used:used + need[b]]
-        used += need[b]
-        table[b] = perm[-1 - torch.randint(spare_blocks, (max_blocks,), generator=g)].int()
-        table[b, :need[b]] = blocks.int()
-        rows = torch.randn(n, d, generator=g)
-        for j in range(need[b]):
-            k = min(block_size, n - j * block_size)
-            kv[blocks[j], :k] = rows[j * block_size: j * block_size + k]
-    q = torch.randn(B, s_q, H, d, generator=g)
-    dev = "cuda"
-    return (q.to(dtype=dtype, device=dev), kv.to(dtype=dtype, device=dev), table.to(dev),
-            torch.tensor(lens, dtype=torch.int32, device=dev))
+def make_case(lens, s_q, H, block_size, dtype, seed):
+    return _make_case(lens, s_q, H, DV, DR, block_size, dtype, "cuda", seed)
 
 
 def attend(q, kv, table, seqlens, scale, causal, dtype):

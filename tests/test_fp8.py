@@ -7,7 +7,7 @@ import torch
 
 import mla
 from mla import quant
-from mla.weights import dequant_block_fp8
+from mla.weights import dequant_block_fp8, quantize_block_fp8
 from hf_util import FP32_TOL, PREFIX, hf_reference, make_attention, make_config, rel_err, state_dict
 
 # FP8 e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative per value,
@@ -16,23 +16,6 @@ from hf_util import FP32_TOL, PREFIX, hf_reference, make_attention, make_config,
 # the bound leaves 1.7x. A scale missing or applied twice is off by 4x in every value
 # (test_fp8_scale_applied_once: error above 50%).
 FP8_CACHE_TOL = 0.10
-
-
-def quantize_block_fp8(w: torch.Tensor, ue8m0: bool = False):
-    """float weight [out, in] -> (float8_e4m3fn, weight_scale_inv [ceil(out/128), ceil(in/128)])."""
-    out_f, in_f = w.shape
-    bo, bi = -(-out_f // 128), -(-in_f // 128)
-    padded = torch.zeros(bo * 128, bi * 128)
-    padded[:out_f, :in_f] = w
-    tiles = padded.view(bo, 128, bi, 128)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    if ue8m0:   # round the scale up to a power of two, stored as a biased exponent
-        exp = torch.ceil(torch.log2(scale))
-        scale = torch.exp2(exp)
-    q = (tiles / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    q = q.view(bo * 128, bi * 128)[:out_f, :in_f].contiguous()
-    stored = (exp + 127).to(torch.uint8) if ue8m0 else scale
-    return q, stored
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import mla
-from mla.ops import reference
 
 
 def _dense(q, k, v, visible, scale):

@@ -282,11 +282,7 @@ def run_decode(args) -> int:
     print()
     print(decode_summary(rows))
     if args.csv:
-        keys = sorted({k for r in rows for k in r})
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.csv)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
@@ -297,6 +293,14 @@ def run_decode(args) -> int:
 
 def _key(r):
     return r["H"], r["B"], r["L"], r["s_q"], r.get("kv", "bf16")
+
+
+def write_csv(rows, path):
+    """Every row (dicts with any keys) to a CSV file, columns sorted by name."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _add_ratios(rows):

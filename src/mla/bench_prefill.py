@@ -13,7 +13,6 @@ they must move, against the 4.28 TB/s device copy ceiling.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 import traceback
@@ -285,10 +284,8 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - report what ran, then the failure
             traceback.print_exc()
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=sorted({k for r in checks + att + mem + lay for k in r}))
-            w.writeheader()
-            w.writerows(checks + att + mem + lay)
+        from .bench import write_csv
+        write_csv(checks + att + mem + lay, args.csv)
     print("\n## checks against the reference")
     _print(checks, ["check", "provider", "result"])
     print("\n## memory-bound ops (ceiling 4.28 TB/s)")

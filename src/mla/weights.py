@@ -17,7 +17,7 @@ import torch
 from .config import MLAConfig
 from .quant import scale_to_float
 
-__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8"]
+__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8", "quantize_block_fp8"]
 
 FP8_BLOCK = 128
 
@@ -56,6 +56,24 @@ def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int 
                          f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}")
     s = scale_to_float(scale_inv).repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
     return weight.float() * s
+
+
+def quantize_block_fp8(weight: torch.Tensor, ue8m0: bool = False, block: int = FP8_BLOCK):
+    """The inverse of dequant_block_fp8, as DeepSeek's FP8 checkpoints are made: float weight
+    [out, in] -> (float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)]), each block
+    scaled by amax / 448. ``ue8m0``: scales rounded up to powers of two, stored as uint8
+    exponents with bias 127."""
+    out_f, in_f = weight.shape
+    bo, bi = -(-out_f // block), -(-in_f // block)
+    padded = weight.new_zeros(bo * block, bi * block, dtype=torch.float32)
+    padded[:out_f, :in_f] = weight
+    tiles = padded.view(bo, block, bi, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (tiles / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = q.view(bo * block, bi * block)[:out_f, :in_f].contiguous()
+    return q, ((torch.log2(scale) + 127).to(torch.uint8) if ue8m0 else scale)
 
 
 def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:

@@ -48,18 +48,6 @@ class DecodeConfig:
     page_tile: bool = True   # when block_size % block_n == 0: one block-table read per tile
 
 
-# Reductions through tl.reduce with our own combine functions: the standard library's
-# tl.sum / tl.max / tl.zeros are plain triton.jit functions that the interpreter path
-# of our dual-mode jit cannot call.
-@jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@jit
-def _add(a, b):
-    return a + b
-
 
 @jit
 def _decode_split_kernel(
@@ -138,11 +126,11 @@ def _decode_split_kernel(
             s = tl.dot(q_pe, tl.trans(k_pe), s)
         visible = n_ok[None, :] & (n[None, :] < limit[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -184,7 +172,7 @@ def _combine_kernel(
     for s0 in range(0, num_splits, BLOCK_S):
         ls = tl.load(l_base + (s0 + s_off) * stride_ls, mask=s0 + s_off < num_splits, other=float("-inf"))
         mx = tl.maximum(mx, ls)
-    lmax = tl.reduce(mx, 0, _max)
+    lmax = tl.max(mx, 0)
     lmax = tl.where(lmax == float("-inf"), 0.0, lmax)
 
     tot = tl.full([BLOCK_S], 0.0, dtype=tl.float32)
@@ -197,8 +185,8 @@ def _combine_kernel(
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         tot += w
         acc += w[:, None] * o
-    total = tl.reduce(tot, 0, _add)
-    out = tl.reduce(acc, 0, _add) / tl.where(total == 0.0, 1.0, total)
+    total = tl.sum(tot, 0)
+    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh + d,
              out.to(OUT.dtype.element_ty), mask=d_ok)
     if pid_d == 0:
@@ -277,17 +265,24 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if S > 1:
-        block_d = min(128, block_dv)
-        _combine_kernel[(H * s_q, B, triton.cdiv(dv, block_d))](
-            o_part, l_part, out, lse,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            H, dv, S,
-            BLOCK_S=min(16, triton.next_power_of_2(S)), BLOCK_D=block_d, num_warps=4,
-        )
+        combine(o_part, l_part, out, lse)
     return out, lse
+
+
+def combine(o_part, l_part, out, lse):
+    """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32), l_part [S, B, s_q, H]
+    into out [B, s_q, H, dv] and lse [B, s_q, H]; also used by the Gluon kernel."""
+    S, B, s_q, H, dv = o_part.shape
+    block_d = min(128, triton.next_power_of_2(dv))
+    _combine_kernel[(H * s_q, B, triton.cdiv(dv, block_d))](
+        o_part, l_part, out, lse,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0), l_part.stride(1), l_part.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        H, dv, S,
+        BLOCK_S=min(16, triton.next_power_of_2(S)), BLOCK_D=block_d, num_warps=4,
+    )
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, kv_scale=1.0):

@@ -23,7 +23,7 @@ Schedule (as in ``decode.py``, planned on the host from shapes only, graph-captu
         then the tile's buffer is refilled with the tile two ahead (TMA)
       PIPE: the QK^T of tile t+1 is issued (async) before the PV of tile t, so the tensor
         cores work on the next S while the softmax registers are being prepared.
-    partial (out, lse) per split -> ``decode._combine_kernel`` (the portable kernel's combine).
+    partial (out, lse) per split -> ``decode.combine`` (the portable kernel's combine).
 
 Masking: keys past the split's end inside the tail tile are zeroed in shared memory after the
 TMA lands (the cache may hold NaN there; 0 * NaN would leak through P V), and their scores
@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .decode import _combine_kernel, _num_sms
+from .decode import _num_sms, combine
 
 __all__ = ["mla_decode_gluon", "supports", "launch_gluon"]
 
@@ -325,16 +325,7 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
         num_warps=8,
     )
     if S > 1:
-        block_d = 128
-        _combine_kernel[(rows, B, triton.cdiv(_DV, block_d))](
-            o_part, l_part, out, lse,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            H, _DV, S,
-            BLOCK_S=min(16, triton.next_power_of_2(S)), BLOCK_D=block_d, num_warps=4,
-        )
+        combine(o_part, l_part, out, lse)
     return out, lse
 
 

@@ -48,18 +48,6 @@ class PrefillConfig:
     num_stages: int = 2
 
 
-# tl.zeros / tl.max / tl.sum are plain triton.jit functions that the CPU (interpreter) path
-# of our dual-mode jit cannot call: tl.full and tl.reduce with these combine functions instead.
-@jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@jit
-def _add(a, b):
-    return a + b
-
-
 @jit
 def _prefill_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K,
@@ -126,10 +114,10 @@ def _prefill_kernel(
             k_b = tl.load(kr + DA + db[None, :], mask=db[None, :] < DB, other=0.0)
             s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
         s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :], mask=dv[None, :] < DV, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -147,11 +135,11 @@ def _prefill_kernel(
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + off)
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: no NaN from -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
                     mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
