@@ -38,16 +38,9 @@ def _keys_values(layer, latent: torch.Tensor):
     return k, kv[..., dn:]
 
 
-def prefill(layer, q, c_kv, k_pe, group: Group, batch, out):
+def prefill(layer, q, c_kv, k_pe, group: Group, out):
     """Expanded causal attention over the new tokens only (no cached prefix)."""
-    rows = group.rows
-    latent = torch.cat((c_kv[rows], k_pe[rows]), dim=-1)
-    k, v = _keys_values(layer, latent)
-    cu = batch.memo(("prefill_cu", tuple(group.seqs)), lambda: torch.tensor(
-        [0] + list(_cumsum(batch.num_new[b] for b in group.seqs)), dtype=torch.int32).to(batch.device))
-    o, _ = ops.prefill_attention(q[rows], k, v, cu, cu, layer.cfg.softmax_scale, causal=True,
-                                 backend=layer.op_backend)
-    out[rows] = o
+    out[group.rows] = _self_attention(layer, q, c_kv, k_pe, group)[0]
 
 
 def cached(layer, q, p: Pass, kv_cache, cache, out):
@@ -60,34 +53,23 @@ def cached(layer, q, p: Pass, kv_cache, cache, out):
     out[p.rows] = o
 
 
-def chunked(layer, q, c_kv, k_pe, group: Group, batch, kv_cache, out):
-    """Prefix chunks (full mask) then new tokens (causal), merged by log-sum-exp."""
+def chunked(layer, q, c_kv, k_pe, group: Group, kv_cache, cache, out):
+    """New tokens among themselves (causal), then prefix chunks (full mask), merged by log-sum-exp."""
     scale, backend = layer.cfg.softmax_scale, layer.op_backend
-    position = {int(b): i for i, b in enumerate(group.seqs)}
-    offsets = [0] + list(_cumsum(batch.num_new[b] for b in group.seqs))
-    # the new tokens among themselves first: this also initialises every row's accumulator
-    acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group, batch, offsets)
+    acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group)   # every row's accumulator
     for p in group.passes:
         latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys, backend=backend)
-        k, v = _keys_values(layer, _values(layer, latent, batch.cache))
+        k, v = _keys_values(layer, _values(layer, latent, cache))
         o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
                                        backend=backend)
-        local = torch.cat([torch.arange(offsets[position[b]], offsets[position[b] + 1]) for b in p.seqs])
-        local = local.to(q.device)
-        acc_o[local], acc_lse[local] = ops.merge_attention(acc_o[local], acc_lse[local], o, lse, backend=backend)
+        i = p.group_rows
+        acc_o[i], acc_lse[i] = ops.merge_attention(acc_o[i], acc_lse[i], o, lse, backend=backend)
     out[group.rows] = acc_o
 
 
-def _self_attention(layer, q, c_kv, k_pe, group: Group, batch, offsets):
+def _self_attention(layer, q, c_kv, k_pe, group: Group):
+    """Expanded causal attention of the group's new tokens over themselves, fresh latents as keys."""
     rows = group.rows
     k, v = _keys_values(layer, torch.cat((c_kv[rows], k_pe[rows]), dim=-1))
-    cu = torch.tensor(offsets, dtype=torch.int32).to(q.device)
-    return ops.prefill_attention(q[rows], k, v, cu, cu, layer.cfg.softmax_scale, causal=True,
-                                 backend=layer.op_backend)
-
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
+    return ops.prefill_attention(q[rows], k, v, group.cu_seqlens, group.cu_seqlens, layer.cfg.softmax_scale,
+                                 causal=True, backend=layer.op_backend)

@@ -180,11 +180,11 @@ class MLA(nn.Module):
         attn = torch.empty(T, Hs, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
         q_slice = q[:, self.slice_start: self.slice_start + Hs]     # the context paths' heads
         if plan.prefill is not None:
-            context.prefill(self, q_slice, c_kv, k_pe, plan.prefill, batch, attn)
+            context.prefill(self, q_slice, c_kv, k_pe, plan.prefill, attn)
         for p in plan.cached:
             context.cached(self, q_slice, p, kv_cache, batch.cache, attn)
         if plan.chunked is not None:
-            context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, batch, kv_cache, attn)
+            context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
             decode.absorbed(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         out = F.linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o)

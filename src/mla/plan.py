@@ -59,12 +59,14 @@ class Pass:
     starts: torch.Tensor            # [len(seqs)] int32 first token of each key segment
     block_table: torch.Tensor       # [len(seqs), max_blocks] int32
     num_keys: int
+    group_rows: torch.Tensor | None = None   # chunked: the queries' positions among the group's rows
 
 
 @dataclass
 class Group:
     seqs: list[int]
     rows: torch.Tensor              # [Tg] int64 token rows of the group, sequence order
+    cu_seqlens: torch.Tensor | None = None   # prefill, chunked: [len(seqs) + 1] int32 offsets in rows
     s_q: int = 0                    # absorbed: tokens per sequence
     block_table: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
@@ -78,7 +80,7 @@ class Plan:
     strategy: list[str | None]      # per sequence of the batch
     prefill: Group | None = None
     cached: list[Pass] = field(default_factory=list)
-    chunked: Group | None = None    # its passes hold the prefix chunks; new tokens are a final pass
+    chunked: Group | None = None    # the new tokens among themselves, then its passes: prefix chunks
     absorbed: list[Group] = field(default_factory=list)
 
 
@@ -114,14 +116,20 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
             out.append(out[-1] + x)
         return out
 
-    def make_pass(seqs, starts, lens):
+    def make_pass(seqs, starts, lens, group_offsets=None):
         return Pass(seqs=seqs, rows=rows_of(seqs), cu_seqlens_q=ints(cumsum(batch.num_new[b] for b in seqs)),
                     cu_seqlens_k=ints(cumsum(lens)), starts=ints(starts),
-                    block_table=batch.block_table[ints(seqs, torch.int64)], num_keys=sum(lens))
+                    block_table=batch.block_table[ints(seqs, torch.int64)], num_keys=sum(lens),
+                    group_rows=None if group_offsets is None else ints(
+                        [t for b in seqs for t in range(group_offsets[b], group_offsets[b] + batch.num_new[b])],
+                        torch.int64))
+
+    def make_group(seqs):
+        return Group(seqs, rows_of(seqs), cu_seqlens=ints(cumsum(batch.num_new[b] for b in seqs)))
 
     by = {s: [b for b, x in enumerate(strategy) if x == s] for s in STRATEGIES}
     if by["prefill"]:
-        plan.prefill = Group(by["prefill"], rows_of(by["prefill"]))
+        plan.prefill = make_group(by["prefill"])
     # cached: pack whole sequences into passes whose prefixes fit the workspace
     current, used = [], 0
     for b in by["cached"]:
@@ -135,24 +143,23 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         plan.cached.append(make_pass(current, [0] * len(current), [batch.num_cached[x] + batch.num_new[x] for x in current]))
     # chunked: prefix segments of all its sequences, max_workspace_tokens rows per pass
     if by["chunked"]:
-        group = Group(by["chunked"], rows_of(by["chunked"]))
-        segments = []   # (batch index, start, length)
+        group = plan.chunked = make_group(by["chunked"])
+        group_offsets = dict(zip(group.seqs, cumsum(batch.num_new[b] for b in group.seqs)))
+
+        def flush(chunk):
+            if chunk:
+                group.passes.append(make_pass(*map(list, zip(*chunk)), group_offsets))
+
+        chunk = []   # segments (batch index, start, length) of one pass
         for b in by["chunked"]:
-            for s in range(0, batch.num_cached[b], max_workspace_tokens):
-                segments.append((b, s, min(max_workspace_tokens, batch.num_cached[b] - s)))
-        chunk = []
-        for seg in segments:
-            if chunk and sum(x[2] for x in chunk) + seg[2] > max_workspace_tokens:
-                group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
-                chunk = []
-            # one segment per sequence per pass keeps each pass a plain varlen call
-            if any(x[0] == seg[0] for x in chunk):
-                group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
-                chunk = []
-            chunk.append(seg)
-        if chunk:
-            group.passes.append(make_pass([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk]))
-        plan.chunked = group
+            for start in range(0, batch.num_cached[b], max_workspace_tokens):
+                seg = (b, start, min(max_workspace_tokens, batch.num_cached[b] - start))
+                # a pass holds at most the workspace, and one segment per sequence (a plain varlen call)
+                if sum(x[2] for x in chunk) + seg[2] > max_workspace_tokens or any(x[0] == b for x in chunk):
+                    flush(chunk)
+                    chunk = []
+                chunk.append(seg)
+        flush(chunk)
     # absorbed: one decode call per distinct number of new tokens
     for s_q in sorted({batch.num_new[b] for b in by["absorbed"]}):
         seqs = [b for b in by["absorbed"] if batch.num_new[b] == s_q]
