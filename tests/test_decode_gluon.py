@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mla.ops import reference
+from test_decode_kernel import attend as _attend
 from test_decode_kernel import make_case as _make_case
 
 CUDA = torch.cuda.is_available()
@@ -31,24 +31,8 @@ def make_case(lens, s_q, H, block_size, dtype, seed):
 
 
 def attend(q, kv, table, seqlens, scale, causal, dtype):
-    """Decode attention in ``dtype`` arithmetic (float64: the oracle)."""
-    B, s_q, H, _ = q.shape
-    out = torch.zeros(B, s_q, H, DV, dtype=torch.float64)
-    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float64)
-    for b, n in enumerate(seqlens.tolist()):
-        if n == 0:
-            continue
-        k = reference.gather_rows(kv, table[b], n).to(dtype)
-        qb = q[b].to(dtype).transpose(0, 1)
-        scores = (qb @ k.T).double() * scale
-        key = torch.arange(n, device=q.device)
-        limit = (n - s_q + 1 + torch.arange(s_q, device=q.device)) if causal else torch.full((s_q,), n, device=q.device)
-        scores = scores.masked_fill(~(key[None, :] < limit[:, None])[None], float("-inf"))
-        lse_b = torch.logsumexp(scores, -1)
-        p = torch.exp(scores - torch.where(torch.isfinite(lse_b), lse_b, 0.0)[..., None])
-        out[b] = (p.to(dtype) @ k[:, :DV]).double().transpose(0, 1).cpu()
-        lse[b] = lse_b.transpose(0, 1).cpu()
-    return out, lse
+    """The decode tests' oracle at dv = 512 (float64: the oracle; else PyTorch in ``dtype``)."""
+    return _attend(q, kv, table, seqlens, DV, scale, causal, dtype)
 
 
 def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, **kw):
