@@ -1,13 +1,13 @@
 """Gluon (sm90) decode hot path vs the portable Triton kernel vs FlashInfer fa3, in one run.
 
     PYTHONPATH=/tmp/site:src python3 benchmarks/decode_gluon.py [--heads 16 128] [--batch 1 32 128]
-        [--kv-len 1024 4096 16384] [--s-q 1 2] [--gluon plain,pipe] [--no-triton] [--csv F]
+        [--kv-len 1024 4096 16384] [--s-q 1 2] [--gluon 64,32,default] [--no-triton] [--csv F]
 
 Grid of issue 4 by default (s_q 2 only at 128 heads). Method of ``mla bench decode``
 (src/mla/bench.py): every provider checked against ``mla.ops.reference.mla_decode`` on the
 shape, then timed in one CUDA graph over rotated KV copies (> 240 MB together).
-Gluon variants: ``plain`` (S, softmax, PV in sequence), ``pipe`` (S of the next tile overlaps
-PV), suffix ``-x2`` / ``-h2`` for twice / half the default splits.
+Gluon variants: keys per tile (``64``, ``32``) or ``default`` (the launcher's rule), suffix
+``-x2`` / ``-h2`` for twice / half the default splits.
 """
 from __future__ import annotations
 
@@ -23,20 +23,22 @@ from mla.ops import reference
 
 
 def _gluon_provider(variant):
+    """variant: "default", or the keys per tile ("64", "32"), with "-x2" / "-h2" for twice / half the splits."""
     from mla.ops.triton import decode_gluon as dg
 
     def make(c):
         parts = variant.split("-")
-        pipe = parts[0] == "pipe"
+        block_n = None if parts[0] == "default" else int(parts[0])
         B, s_q, H = c["B"], c["s_q"], c["H"]
         S = dg.default_splits(B, H * s_q, c["table"].shape[1] * c["page"], c["q"].device)
         for p in parts[1:]:
             S = S * int(p[1:]) if p[0] == "x" else max(1, S // int(p[1:]))
+        block_n = block_n or dg.default_block_n(B, H * s_q)
 
         def call(kv):
             return dg.launch_gluon(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True,
-                                   num_splits=S, pipe=pipe)[0]
-        return call, f"{variant} splits={S}"
+                                   num_splits=S, block_n=block_n)[0]
+        return call, f"block_n={block_n} splits={S}"
     return make
 
 
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-len", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--s-q", type=int, nargs="+", default=None)
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--gluon", default="plain,pipe")
+    ap.add_argument("--gluon", default="64,32")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--csv", default=None)

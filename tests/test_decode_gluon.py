@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs an sm90 (Hopper) GPU")
 if SM90:
     from mla.ops.triton import decode_gluon as dg
 
+TILES = [64, 32]     # keys per tile: a ring of two or of four
+
 DV, DR = 512, 64
 
 
@@ -60,31 +62,32 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
     return err
 
 
-@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
+@pytest.mark.parametrize("block_n", TILES)
 @pytest.mark.parametrize("H,s_q", [(16, 1), (16, 4), (64, 2), (128, 1), (128, 3), (3, 2), (63, 4)])
-def test_heads_sq(H, s_q, pipe):
+def test_heads_sq(H, s_q, block_n):
     # length 0, == s_q, 1, a partial tail, several pages
-    check([0, s_q, 1, 700, 4099, 2048], s_q, H, seed=H * 10 + s_q, pipe=pipe)
+    check([0, s_q, 1, 700, 4099, 2048], s_q, H, seed=H * 10 + s_q, block_n=block_n)
 
 
-@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
-def test_varlen_1_to_20000(pipe):
+@pytest.mark.parametrize("block_n", TILES)
+def test_varlen_1_to_20000(block_n):
     g = torch.Generator().manual_seed(5)
     lens = [1, 2, 63, 64, 65, 20000] + torch.randint(1, 20001, (10,), generator=g).tolist()
-    check(lens, 2, 16, seed=5, pipe=pipe)
-    check(lens[:8], 1, 128, seed=6, pipe=pipe)
+    check(lens, 2, 16, seed=5, block_n=block_n)
+    check(lens[:8], 1, 128, seed=6, block_n=block_n)
 
 
-@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipe"])
+@pytest.mark.parametrize("block_n", TILES)
 @pytest.mark.parametrize("splits", [1, 3, 40])
-def test_explicit_splits_and_empty_splits(splits, pipe):
+def test_explicit_splits_and_empty_splits(splits, block_n):
     # 40 splits of short sequences: many splits are empty (lse -inf, weight 0 in the combine)
-    check([5, 130, 1000], 2, 16, seed=splits, num_splits=splits, pipe=pipe)
+    check([5, 130, 1000], 2, 16, seed=splits, num_splits=splits, block_n=block_n)
 
 
-def test_fp16_page128_non_causal():
-    check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1)
-    check([5000, 7], 3, 128, causal=False, seed=3)
+@pytest.mark.parametrize("block_n", TILES)
+def test_fp16_page128_non_causal(block_n):
+    check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, block_n=block_n)
+    check([5000, 7], 3, 128, causal=False, seed=3, block_n=block_n)
 
 
 def test_entry_point_and_graph_capture():

@@ -304,11 +304,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
 
 
 def use_gluon(q, kv_cache, head_dim_v) -> bool:
-    """The one rule between the two decode kernels: the Gluon (wgmma + TMA) kernel on Hopper
-    when its 64-row tile is full (H * s_q >= 64) and the cache is plain bf16/fp16 rows of 576;
-    measured on an H200 at 128 heads 1.44-1.79x FlashInfer fa3's time against 2.0-2.3x for
-    this kernel, and slower than this kernel at 16 heads (docs/PERF.md)."""
-    if q.device.type != "cuda" or q.shape[1] * q.shape[2] < 64 or head_dim_v != 512:
+    """The one rule between the two decode kernels: the warp-specialized Gluon kernel (wgmma +
+    TMA) on Hopper whenever it takes the inputs (plain bf16/fp16 rows of 576, dv 512). On an
+    H200 (18 shapes, 16 and 128 heads) it was 1.2-2.0x faster than this kernel except at
+    batch 1 with 4k tokens (14.3 vs 12.2 us at 16 heads, 20.6 vs 20.1 at 128) and at 16 heads
+    batch 32 (within 1%) (docs/PERF.md)."""
+    if q.device.type != "cuda" or head_dim_v != 512:
         return False
     from .decode_gluon import supports
     return supports(q, kv_cache)
