@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
 from mla import context
@@ -66,9 +68,9 @@ def test_workspace_bound_holds(monkeypatch):
     expanded = []
     keys_values = context._keys_values
 
-    def recording(layer_, latent):
-        expanded.append(latent.shape[0])
-        return keys_values(layer_, latent)
+    def recording(layer_, c_kv, k_pe):
+        expanded.append(c_kv.shape[0])
+        return keys_values(layer_, c_kv, k_pe)
 
     monkeypatch.setattr(context, "_keys_values", recording)
     g = torch.Generator().manual_seed(2)
@@ -117,6 +119,79 @@ def test_chunked_prefill_peak_memory_gpu():
         base = torch.cuda.memory_allocated()
         layer(torch.randn(256, cfg.hidden_size, dtype=torch.bfloat16, device="cuda"), cache.prepare([("s", 256)]))
         peaks[workspace] = torch.cuda.max_memory_allocated() - base
-    per_row = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 2 * 3     # k, v and kv_b output, bf16
+    per_row = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 2 * 2     # k and v, bf16 (no kv_b temporary)
     assert peaks[512] < peaks[4096]
     assert peaks[4096] - peaks[512] <= (4096 - 512) * per_row * 1.5
+
+
+# ------------------------------------------------- issue 5: the expansion writes in place
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op run inside it: (name, args, kwargs, result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.calls.append((func.overloadpacket.__name__, args, kwargs, result))
+        return result
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_expansion_writes_into_the_key_and_value_buffers():
+    """kv_b_proj writes k_nope and v straight into the k and v that attention reads: no op makes
+    storage besides k and v (so no [N, H, dn + dv] temporary), both GEMMs write views of them,
+    and the one copy is k_pe broadcast into each head's last dr columns."""
+    cfg, layer, _, _ = _setup()
+    N, H, r = 11, cfg.num_heads, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    latent = torch.randn(N, r + dr, generator=torch.Generator().manual_seed(3))   # rows as gathered
+    with _Ops() as ops:
+        k, v = context._keys_values(layer, latent[:, :r], latent[:, r:])
+    assert k.shape == (N, H, dn + dr) and v.shape == (N, H, dv) and k.is_contiguous() and v.is_contiguous()
+    known = {_storage(latent), _storage(layer.w_kv_b), _storage(k), _storage(v)}
+    for name, _, _, result in ops.calls:
+        assert _storage(result) in known, f"{name} made a tensor of shape {tuple(result.shape)}"
+    gemms = [kwargs["out"] for name, _, kwargs, _ in ops.calls if name == "bmm"]
+    assert [_storage(t) for t in gemms] == [_storage(k), _storage(v)]
+    copies = [args[0] for name, args, _, _ in ops.calls if name == "copy_"]
+    assert len(copies) == 1 and copies[0].shape == (N, H, dr) and _storage(copies[0]) == _storage(k)
+    # the values: kv_b_proj as one GEMM, split per head (DESIGN.md section 1)
+    kv = F.linear(latent[:, :r], layer.w_kv_b).view(N, H, dn + dv)
+    torch.testing.assert_close(k[..., :dn], kv[..., :dn])
+    torch.testing.assert_close(v, kv[..., dn:])
+    assert torch.equal(k[..., dn:], latent[:, None, r:].expand(N, H, dr))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_expansion_copies_nothing_gpu():
+    """DeepSeek-V3 shapes in bf16: cuBLAS writes both halves in place. The expansion allocates
+    exactly k and v, and launches one copy kernel (k_pe's broadcast) beside its two GEMMs.
+    (On the CPU, bf16 bmm goes through oneDNN, which copies its inputs; fp32 does not.)"""
+    cfg = mla.MLAConfig.preset("deepseek-v3")
+    layer = mla.MLA(cfg, dtype=torch.bfloat16, device="cuda")
+    torch.nn.init.normal_(layer.w_kv_b, std=cfg.kv_lora_rank ** -0.5)
+    N, r, dn = 2048, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    latent = torch.randn(N, r + cfg.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    context._keys_values(layer, latent[:, :r], latent[:, r:])     # warm-up: cuBLAS workspace, heuristics
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        k, v = context._keys_values(layer, latent[:, :r], latent[:, r:])
+        torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= k.nbytes + v.nbytes + 1024
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memset")]          # cuBLAS clears its own workspace
+    copies = [n for n in kernels if "copy" in n.lower() or "elementwise" in n.lower()]
+    assert len(copies) == 1 and len(kernels) == 3, kernels
+    kv = F.linear(latent[:, :r], layer.w_kv_b).view(N, cfg.num_heads, -1)   # outputs ~N(0, 1)
+    torch.testing.assert_close(k[..., :dn], kv[..., :dn], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(v, kv[..., dn:], atol=2e-2, rtol=2e-2)

@@ -1,7 +1,8 @@
 """Context strategies (prompt tokens): expanded ("MHA") attention.
 
 Keys are expanded from latents: kv_b_proj(c_kv) gives k_nope [H, dn] and v [H, dv] per
-row; k = [k_nope | k_pe] with the shared k_pe broadcast to every head.
+row; k = [k_nope | k_pe] with the shared k_pe broadcast to every head. The expansion
+writes k_nope and v straight into the k and v buffers that attention reads.
 
 - prefill: no cached prefix; the fresh latents of the new tokens are the keys (causal).
 - cached:  the cache was written first; the prefix + new rows are gathered back from it,
@@ -20,22 +21,29 @@ from .plan import Group, Pass
 __all__ = ["prefill", "cached", "chunked"]
 
 
-def _values(layer, stored: torch.Tensor, cache) -> torch.Tensor:
-    """Gathered cache rows -> latent values in the layer's dtype (FP8 rows: only this chunk)."""
-    return quant.dequantize_rows(stored, cache.format, layer.cfg.kv_lora_rank, layer.dtype, cache.kv_scale)
+def _gathered(layer, p: Pass, kv_cache, cache):
+    """The pass's prefix + new rows from the cache -> c_kv [N, r], k_pe [N, dr] in the layer's
+    dtype (views of one [N, r + dr] chunk; FP8 rows are dequantized for this chunk only)."""
+    r = layer.cfg.kv_lora_rank
+    stored = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys,
+                               backend=layer.op_backend)
+    latent = quant.dequantize_rows(stored, cache.format, r, layer.dtype, cache.kv_scale)
+    return latent[:, :r], latent[:, r:]
 
 
-def _keys_values(layer, latent: torch.Tensor):
-    """latent rows [N, r + dr] -> k [N, H, dn + dr], v [N, H, dv] in the layer's dtype."""
-    cfg = layer.cfg
-    r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
-    latent = latent.to(layer.dtype)
-    kv = layer.expand_kv(latent[:, :r])                       # [N, H, dn + dv]
-    k = torch.empty(latent.shape[0], layer.num_slice_heads, cfg.qk_head_dim, dtype=layer.dtype,
-                    device=latent.device)
-    k[..., :dn] = kv[..., :dn]
-    k[..., dn:] = latent[:, None, r:]
-    return k, kv[..., dn:]
+def _keys_values(layer, c_kv: torch.Tensor, k_pe: torch.Tensor):
+    """c_kv [N, r], k_pe [N, dr] -> k [N, H, dn + dr], v [N, H, dv], contiguous, in the layer's dtype.
+
+    kv_b_proj writes k_nope into k[..., :dn] and v into v in place (layer.expand_kv): no
+    [N, H, dn + dv] temporary and no copy of either half. The one other write is k_pe,
+    broadcast into each head's last dr columns.
+    """
+    cfg, N = layer.cfg, c_kv.shape[0]
+    k = torch.empty(N, layer.num_slice_heads, cfg.qk_head_dim, dtype=layer.dtype, device=c_kv.device)
+    v = torch.empty(N, layer.num_slice_heads, cfg.v_head_dim, dtype=layer.dtype, device=c_kv.device)
+    layer.expand_kv(c_kv, k[..., :cfg.qk_nope_head_dim], v)
+    k[..., cfg.qk_nope_head_dim:] = k_pe[:, None]
+    return k, v
 
 
 def prefill(layer, q, c_kv, k_pe, group: Group, out):
@@ -45,9 +53,7 @@ def prefill(layer, q, c_kv, k_pe, group: Group, out):
 
 def cached(layer, q, p: Pass, kv_cache, cache, out):
     """Gather prefix + new rows of the pass's sequences, expand, attend causally."""
-    latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys,
-                               backend=layer.op_backend)
-    k, v = _keys_values(layer, _values(layer, latent, cache))
+    k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
     o, _ = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, layer.cfg.softmax_scale,
                                  causal=True, backend=layer.op_backend)
     out[p.rows] = o
@@ -58,8 +64,7 @@ def chunked(layer, q, c_kv, k_pe, group: Group, kv_cache, cache, out):
     scale, backend = layer.cfg.softmax_scale, layer.op_backend
     acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group)   # every row's accumulator
     for p in group.passes:
-        latent = ops.gather_latent(kv_cache, p.block_table, p.starts, p.cu_seqlens_k, p.num_keys, backend=backend)
-        k, v = _keys_values(layer, _values(layer, latent, cache))
+        k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
         o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
                                        backend=backend)
         i = p.group_rows
@@ -70,6 +75,6 @@ def chunked(layer, q, c_kv, k_pe, group: Group, kv_cache, cache, out):
 def _self_attention(layer, q, c_kv, k_pe, group: Group):
     """Expanded causal attention of the group's new tokens over themselves, fresh latents as keys."""
     rows = group.rows
-    k, v = _keys_values(layer, torch.cat((c_kv[rows], k_pe[rows]), dim=-1))
+    k, v = _keys_values(layer, c_kv[rows], k_pe[rows])
     return ops.prefill_attention(q[rows], k, v, group.cu_seqlens, group.cu_seqlens, layer.cfg.softmax_scale,
                                  causal=True, backend=layer.op_backend)

@@ -123,11 +123,17 @@ class MLA(nn.Module):
             self.b_o.copy_(w["o_proj.bias"])
         self.loaded = True
 
-    def expand_kv(self, c_kv: torch.Tensor) -> torch.Tensor:
-        """kv_b_proj for this rank's head slice: c_kv [N, r] -> [N, H_s, dn + dv]."""
-        rows = self.w_kv_b.shape[0] // self.num_local_heads
-        w = self.w_kv_b[self.slice_start * rows: (self.slice_start + self.num_slice_heads) * rows]
-        return F.linear(c_kv, w).view(c_kv.shape[0], self.num_slice_heads, -1)
+    def expand_kv(self, c_kv: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor) -> None:
+        """kv_b_proj for this rank's head slice, written in place: c_kv [N, r] -> k_nope [N, H_s, dn]
+        and v [N, H_s, dv]; both may be strided views with unit last stride (k_nope = k[..., :dn])."""
+        cfg, heads = self.cfg, slice(self.slice_start, self.slice_start + self.num_slice_heads)
+        W_UK, W_UV = split_kv_b(self.w_kv_b, self.num_local_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        x = c_kv.expand(self.num_slice_heads, *c_kv.shape)      # [H_s, N, r]: stride 0 over heads, no copy
+        # One GEMM per head (bmm) rather than one F.linear: a head's [N, d] output block is a matrix
+        # whose row stride exceeds its width, which cuBLAS writes in place, so neither half goes
+        # through an [N, H_s, dn + dv] temporary.
+        torch.bmm(x, W_UK[heads].mT, out=k_nope.transpose(0, 1))
+        torch.bmm(x, W_UV[heads].mT, out=v.transpose(0, 1))
 
     def _check(self, hidden_states: torch.Tensor, batch: Batch) -> None:
         if not isinstance(batch, Batch):
