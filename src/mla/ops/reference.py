@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent", "softmax_attend"]
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
+           "quantize_act_1x128", "fp8_linear", "fp8_bmm"]
 
 
 def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
@@ -158,3 +159,57 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):
         blocks = block_table[b].long()[tok // block_size]
         out[cu[b]:cu[b + 1]] = kv_cache[blocks, tok % block_size]
     return out
+
+
+# ---------------------------------------------------------------- block-scaled FP8 GEMM
+ACT_GROUP = 128        # activation columns sharing one scale (and the weight's block size)
+AMAX_FLOOR = 1e-12     # a group of zeros gets scale 1e-12 / 448: it quantizes to zeros
+
+
+def quantize_act_1x128(x):
+    """Per-token, per-128-column quantization of activations to float8_e4m3fn.
+
+    x [..., K] float -> (x_q [..., K] float8_e4m3fn, x_scale [..., ceil(K/128)] float32) with
+    scale = max(amax(group), 1e-12) / 448 and x_q = round_to_nearest_even(x / scale), so that
+    x ~ x_q * scale. The last group may be partial; padding never enters the amax.
+    """
+    K = x.shape[-1]
+    G = -(-K // ACT_GROUP)
+    xp = torch.nn.functional.pad(x.float(), (0, G * ACT_GROUP - K)).unflatten(-1, (G, ACT_GROUP))
+    amax = xp.abs().amax(-1).clamp_min(AMAX_FLOOR)
+    scale = amax / torch.full_like(amax, 448.0)   # a tensor divisor: CUDA divides by a scalar via its reciprocal
+    q = (xp / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., :K], scale
+
+
+def _block_scaled_mm(x_q, x_scale, weight, weight_scale_inv):
+    """sum over 128-column groups g of (x_q[..., g] @ weight[..., g]^T) * x_scale[..., g] * w_scale,
+    in float32. x_q [..., M, K], x_scale [..., M, G], weight [..., N, K], weight_scale_inv
+    [..., ceil(N/128), G] (leading dims broadcast) -> [..., M, N] float32."""
+    N, K = weight.shape[-2:]
+    w_scale = weight_scale_inv.float().repeat_interleave(ACT_GROUP, -2)[..., :N, :]   # [..., N, G]
+    y = None
+    for g in range(x_scale.shape[-1]):
+        ks = slice(g * ACT_GROUP, min(K, (g + 1) * ACT_GROUP))
+        part = (x_q[..., ks].float() @ weight[..., ks].float().transpose(-1, -2))
+        part = part * x_scale[..., g, None] * w_scale[..., None, :, g]
+        y = part if y is None else y + part
+    if y is None:   # K = 0
+        y = x_q.new_zeros(*x_q.shape[:-1], N, dtype=torch.float32)
+    return y
+
+
+def fp8_linear(x, weight, weight_scale_inv, out_dtype):
+    """y = x @ W^T with W block-scaled FP8 and x quantized per token per 128 columns.
+
+    x [M, K] float; weight [N, K] float8_e4m3fn; weight_scale_inv [ceil(N/128), ceil(K/128)]
+    float32 (block (i, j) of W dequantizes as w * scale). Returns [M, N] in out_dtype.
+    """
+    x_q, x_scale = quantize_act_1x128(x)
+    return _block_scaled_mm(x_q, x_scale, weight, weight_scale_inv).to(out_dtype)
+
+
+def fp8_bmm(x, weight, weight_scale_inv, out_dtype):
+    """fp8_linear per batch entry h: x [H, T, K], weight [H, N, K] float8_e4m3fn,
+    weight_scale_inv [H, ceil(N/128), ceil(K/128)] float32 -> [H, T, N] in out_dtype."""
+    return fp8_linear(x, weight, weight_scale_inv, out_dtype)   # its math broadcasts over H

@@ -24,6 +24,25 @@ def _call_interpreted(self, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _language_state() -> list:
+    """The attributes of triton.language's modules and tensor class, to put back after an
+    interpreted launch: the interpreter patches them, and a device-function call inside it
+    (tl.max, tl.cdiv, ...) patches triton.language.core without restoring it (Triton 3.6),
+    which breaks every later compilation in the process."""
+    import triton.language as tl
+
+    return [(obj, dict(vars(obj))) for obj in (tl, tl.core, tl.math, tl.tensor)]
+
+
+def _restore_language(state) -> None:
+    for obj, saved in state:
+        for name in set(vars(obj)) - set(saved):
+            delattr(obj, name)
+        for name, value in saved.items():
+            if vars(obj).get(name) is not value:
+                setattr(obj, name, value)
+
+
 class _DualKernel(JITFunction):
     """A JITFunction that hands CPU-tensor launches (and calls from interpreted
     kernels) to an InterpretedFunction of the same Python function."""
@@ -37,12 +56,13 @@ class _DualKernel(JITFunction):
 
         on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
         if on_cpu:
-            plain_call = JITFunction.__call__
+            plain_call, language = JITFunction.__call__, _language_state()
             JITFunction.__call__ = _call_interpreted
             try:
                 return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
             finally:
                 JITFunction.__call__ = plain_call
+                _restore_language(language)
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
     def __call__(self, *args, **kwargs):  # a device-function call inside an interpreted kernel
@@ -65,3 +85,4 @@ from .prefill import prefill_attention  # noqa: E402,F401
 from .merge import merge_attention  # noqa: E402,F401
 from .rope_append import rope_append  # noqa: E402,F401
 from .gather import gather_latent  # noqa: E402,F401
+from .fp8_gemm import quantize_act_1x128, fp8_linear, fp8_bmm  # noqa: E402,F401
