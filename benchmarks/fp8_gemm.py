@@ -5,7 +5,8 @@
 Shapes (N, K): q_b_proj 24576 x 1536, o_proj 7168 x 16384, kv_a_proj_with_mqa + q_a_proj
 2112 x 7168. x is bf16 [M, K], the output bf16; weights random, 128 x 128 block-quantized.
 Providers, each checked against mla.ops.reference.fp8_linear (float32 output) before it is timed:
-  fp8        the Triton kernels: activation quantization + block-scaled GEMM
+  fp8        the Triton kernels: activation quantization + block-scaled GEMM (mla.ops.fp8_linear
+             takes them at M <= 64 and scaled_mm above)
   bf16       F.linear(x, W dequantized to bf16)
   scaled_mm  our activation quantization + torch.nn.functional.scaled_mm (cuBLAS, BlockWise1x128
              x BlockWise128x128), where this torch and GPU have it
@@ -21,9 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-import mla
 from mla.bench import graph_time_us
 from mla.ops import reference
+from mla.ops.triton import fp8_gemm
 from mla.weights import dequant_block_fp8, quantize_block_fp8
 
 SHAPES = [("q_b_proj", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168)]
@@ -31,19 +32,7 @@ SHAPES = [("q_b_proj", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112,
 
 def scaled_mm_provider():
     """fn(x, w, w_scale) -> y via torch's block-scaled scaled_mm, or None without one."""
-    try:
-        from torch.nn.functional import ScalingType, scaled_mm
-    except ImportError:
-        return None
-
-    def call(x, w, w_scale):
-        x_q, x_s = mla.ops.quantize_act_1x128(x)
-        x_s = x_s.t().contiguous().t()                       # "outer-dim-major" 1x128 scales
-        groups = w_scale.shape[1]
-        padded = F.pad(w_scale, (0, -groups % 4))            # 128x128 scales: K blocks padded to 4
-        return scaled_mm(x_q, w.t(), x_s, ScalingType.BlockWise1x128, padded.t(),
-                         ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
-    return call
+    return fp8_gemm.scaled_mm_blockwise if fp8_gemm._SCALED_MM is not None else None
 
 
 def rel_err(y, ref):
@@ -70,8 +59,8 @@ def main(argv=None):
         for M in args.m:
             x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
             ref = reference.fp8_linear(x, w, w_scale, torch.float32)
-            err = rel_err(mla.ops.fp8_linear(x, w, w_scale, torch.float32), ref)
-            t8 = graph_time_us([lambda a=a, s=s: mla.ops.fp8_linear(x, a, s) for a, s in ws])
+            err = rel_err(fp8_gemm.fp8_linear_triton(x, w, w_scale, torch.float32), ref)
+            t8 = graph_time_us([lambda a=a, s=s: fp8_gemm.fp8_linear_triton(x, a, s, x.dtype) for a, s in ws])
             t16 = graph_time_us([lambda b=b: F.linear(x, b) for b in wb])
             t_smm, e_smm = float("nan"), float("nan")
             if smm is not None:

@@ -44,6 +44,91 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(ue8m0):
     assert rel_err(out, hf_reference(attn, rotary, x)[17:]) <= FP32_TOL
 
 
+def _fp8_checkpoint(hf_cfg, seed):
+    """(state dict with every 2-D weight in block FP8, the float32 HF module)."""
+    attn, _ = make_attention(hf_cfg, seed=seed)
+    sd = state_dict(attn)
+    for name in list(sd):
+        if sd[name].dim() == 2:
+            sd[name], sd[name.replace("weight", "weight_scale_inv")] = quantize_block_fp8(sd[name])
+    return sd, attn
+
+
+def _act_qdq(x):
+    """x through the 1x128 activation quantization and back (fp8_linear's only extra rounding)."""
+    q, s = mla.ops.reference.quantize_act_1x128(x)
+    return q.float() * s.repeat_interleave(128, -1)[:, : x.shape[-1]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_kept_weights_run_as_fp8_gemms(backend):
+    # q_b_proj and o_proj stay FP8 ("always": also on CPU); every other weight is dequantized.
+    # Oracle: the same layer on dequantized weights whose two projections see their input
+    # quantized and dequantized per 1x128 group, the exact math of fp8_linear; what remains is
+    # float32 summation order (bound 2e-5, as for the layer against transformers).
+    hf_cfg = make_config("v3", hidden_size=200, num_attention_heads=3, q_lora_rank=72, kv_lora_rank=96)
+    sd, _ = _fp8_checkpoint(hf_cfg, seed=4)
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    fp8 = mla.MLA(cfg, dtype=torch.float32, backend=backend, fp8_weights="always")
+    fp8.load_hf_state_dict(sd, prefix=PREFIX)
+    assert fp8.w_q_b.dtype == fp8.w_o.dtype == torch.float8_e4m3fn
+    assert fp8.w_a.dtype == fp8.w_kv_b.dtype == torch.float32
+    assert torch.equal(fp8.w_o_scale, sd[PREFIX + "o_proj.weight_scale_inv"])
+    plain = mla.MLA(cfg, dtype=torch.float32, backend=backend, fp8_weights="never")
+    plain.load_hf_state_dict(sd, prefix=PREFIX)
+    assert plain.w_o.dtype == torch.float32 and plain.w_o_scale is None
+    emulated = mla.MLA(cfg, dtype=torch.float32, backend=backend, fp8_weights="never")
+    emulated.load_hf_state_dict(sd, prefix=PREFIX)
+    emulated._linear = lambda x, w, scale: torch.nn.functional.linear(_act_qdq(x), w)
+    x = torch.randn(20, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for layer in (fp8, emulated, plain):
+        cache = mla.PagedLatentCache(cfg, num_blocks=16, block_size=8, dtype=torch.float32)
+        outs.append(torch.cat((layer(x[:17], cache.prepare([("s", 17)])), layer(x[17:], cache.prepare([("s", 3)])))))
+    assert rel_err(outs[0], outs[1]) <= FP32_TOL
+    # and the FP8 path is really taken: the activation rounding (2^-4) shows against plain
+    assert rel_err(outs[0], outs[2]) > 1e-3
+
+
+def test_fp8_weights_reload_and_argument():
+    hf_cfg = make_config("v3", hidden_size=200, num_attention_heads=3, q_lora_rank=72, kv_lora_rank=96)
+    sd, attn = _fp8_checkpoint(hf_cfg, seed=5)
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    with pytest.raises(ValueError, match="fp8_weights"):
+        mla.MLA(cfg, fp8_weights="yes")
+    layer = mla.MLA(cfg, dtype=torch.float32, fp8_weights="auto")      # CPU: "auto" dequantizes
+    layer.load_hf_state_dict(sd, prefix=PREFIX)
+    assert layer.w_o.dtype == torch.float32 and layer.w_o_scale is None
+    layer.fp8_weights = "always"
+    layer.load_hf_state_dict(sd, prefix=PREFIX)
+    assert layer.w_o.dtype == torch.float8_e4m3fn
+    layer.load_hf_state_dict(state_dict(attn), prefix=PREFIX)          # a bf16/fp32 checkpoint again
+    assert layer.w_o.dtype == torch.float32 and layer.w_o_scale is None
+    assert torch.equal(layer.w_o, attn.o_proj.weight)
+
+
+def test_fp8_shares_split_on_block_edges():
+    # TP 2 of 8 heads x 192 q_b rows: each share is 768 rows = 6 blocks of 128, kept FP8 and
+    # equal to the share of the dequantized weight; 3 heads would split a block -> None.
+    from types import SimpleNamespace
+    from mla.parallel import shard_block_fp8
+
+    cfg = mla.MLAConfig.preset("tiny").replace(num_heads=8, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                               v_head_dim=128)
+    w, s = quantize_block_fp8(torch.randn(8 * 192, 256))
+    for tp_rank in (0, 1):
+        par = SimpleNamespace(tp_size=2, cp_size=1, tp_rank=tp_rank, cp_rank=0, world_size=2)
+        ws, ss = shard_block_fp8("q_b_proj.weight", w, s, cfg, par)
+        rows = slice(tp_rank * 768, (tp_rank + 1) * 768)
+        assert torch.equal(dequant_block_fp8(ws, ss), dequant_block_fp8(w, s)[rows])
+        wo, so = shard_block_fp8("o_proj.weight", w.T.contiguous(), s.T.contiguous(), cfg, par)
+        cols = slice(tp_rank * 512, (tp_rank + 1) * 512)
+        assert torch.equal(dequant_block_fp8(wo, so), dequant_block_fp8(w.T, s.T)[:, cols])
+    odd = cfg.replace(num_heads=3)     # one head per rank: rank 1's rows 192..383 start inside a block
+    par = SimpleNamespace(tp_size=3, cp_size=1, tp_rank=1, cp_rank=0, world_size=3)
+    assert shard_block_fp8("q_b_proj.weight", *quantize_block_fp8(torch.randn(3 * 192, 256)), odd, par) is None
+
+
 def test_fp8_checkpoint_scale_shape_is_checked():
     cfg = mla.MLAConfig.from_hf(make_config("v3"))
     attn, _ = make_attention(make_config("v3"), seed=0)

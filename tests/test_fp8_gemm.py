@@ -212,7 +212,11 @@ def test_gpu_deepseek_shapes(M, N, K):
     rel = ((y.double() - y64).norm() / y64.norm()).item()
     assert rel < 1e-3, rel
     yb = mla.ops.fp8_linear(x, w, s)
-    assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
+    assert yb.dtype == torch.bfloat16
+    if M <= 64:   # the same kernel, rounded to bf16 at the end
+        assert torch.equal(yb, y.to(torch.bfloat16))
+    else:         # torch's scaled_mm where it exists: the same bound plus bf16 rounding (2^-9 relative)
+        assert_within(yb.float(), y64, bound + 2.0 ** -8 * y64.abs())
 
 
 @gpu

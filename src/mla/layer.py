@@ -26,14 +26,17 @@ from torch import nn
 from . import context, decode, ops
 from .batch import Batch
 from .config import MLAConfig
-from .parallel import Parallel, shard_hf_weights
+from .parallel import Parallel, shard_block_fp8, shard_hf_weights
 from .plan import STRATEGIES, build_plan
 from .rope import cos_sin, inv_freq, query_temperature
-from .weights import read_hf_weights, split_kv_b
+from .weights import read_block_fp8, read_hf_weights, split_kv_b
 
 __all__ = ["MLA"]
 
 LAYER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+FP8_WEIGHTS = ("auto", "always", "never")   # keep q_b_proj / o_proj in FP8: on CUDA, always, never
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, layer_idx: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None):
+                 backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None, fp8_weights: str = "auto"):
         super().__init__()
         if not isinstance(cfg, MLAConfig):
             raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
@@ -57,12 +60,15 @@ class MLA(nn.Module):
             raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if fp8_weights not in FP8_WEIGHTS:
+            raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if parallel is not None:
             if not isinstance(parallel, Parallel):
                 raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
             parallel.check_heads(cfg.num_heads)
         self.cfg, self.layer_idx, self.dtype, self.parallel = cfg, layer_idx, dtype, parallel
         self.op_backend = None if backend == "auto" else backend
+        self.fp8_weights = fp8_weights
         self.max_workspace_tokens = max_workspace_tokens
         self.force_strategy: str | None = None   # tests and benchmarks pin a strategy here
         tp, cp = (parallel.tp_size, parallel.cp_size) if parallel is not None else (1, 1)
@@ -86,6 +92,9 @@ class MLA(nn.Module):
         self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
         self.w_o = param(D, self.num_slice_heads * dv)
         self.b_o = param(D) if cfg.attention_bias else None
+        # block scales of w_q_b / w_o where they are kept in FP8 (see load_hf_state_dict)
+        self.register_buffer("w_q_b_scale", None, persistent=False)
+        self.register_buffer("w_o_scale", None, persistent=False)
         self.register_buffer("inv_freq", inv_freq(cfg).to(device), persistent=False)
         self.loaded = False
 
@@ -104,10 +113,21 @@ class MLA(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], prefix: str = "") -> None:
-        """Load one layer from HF names (``prefix + "q_a_proj.weight"``, ...); FP8 weights with
-        ``weight_scale_inv`` are dequantized. Every tensor is checked before any is copied."""
+        """Load one layer from HF names (``prefix + "q_a_proj.weight"``, ...). Every tensor is
+        checked before any is copied. FP8 weights with ``weight_scale_inv`` are dequantized,
+        except q_b_proj and o_proj, which stay FP8 with their block scales and run as
+        block-scaled FP8 GEMMs (``mla.ops.fp8_linear``) when ``fp8_weights`` is "always", or
+        "auto" on a CUDA device (on the H200 1.2-1.55x faster than bf16 at decode sizes;
+        kv_a/q_a, slower in FP8 there, and kv_b_proj, whose W_UK/W_UV serve the absorbed bmm
+        and the expansion, are dequantized: docs/PERF.md). A TP/CP share that would split a
+        128-block is dequantized too."""
         w = shard_hf_weights(read_hf_weights(self.cfg, sd, prefix), self.cfg, self.parallel)
         lite = self.cfg.q_lora_rank is None
+        keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
+        kept = {}
+        for name in ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",)):
+            raw = read_block_fp8(sd, prefix + name) if keep else None
+            kept[name] = raw and shard_block_fp8(name, *raw, self.cfg, self.parallel)
         self.w_a.copy_(torch.cat((w["q_proj.weight" if lite else "q_a_proj.weight"],
                                   w["kv_a_proj_with_mqa.weight"]), 0))
         if self.b_a is not None:
@@ -115,13 +135,32 @@ class MLA(nn.Module):
             self.b_a.copy_(torch.cat((q_bias.to(w["kv_a_proj_with_mqa.bias"]), w["kv_a_proj_with_mqa.bias"])))
         if not lite:
             self.q_a_norm.copy_(w["q_a_layernorm.weight"])
-            self.w_q_b.copy_(w["q_b_proj.weight"])
+            self._set_weight("w_q_b", w["q_b_proj.weight"], kept["q_b_proj.weight"])
         self.kv_a_norm.copy_(w["kv_a_layernorm.weight"])
         self.w_kv_b.copy_(w["kv_b_proj.weight"])
-        self.w_o.copy_(w["o_proj.weight"])
+        self._set_weight("w_o", w["o_proj.weight"], kept["o_proj.weight"])
         if self.b_o is not None:
             self.b_o.copy_(w["o_proj.bias"])
         self.loaded = True
+
+    def _set_weight(self, attr: str, full: torch.Tensor, fp8) -> None:
+        """A projection's weight: the dequantized ``full`` in the layer's dtype, or ``fp8`` =
+        (float8_e4m3fn weight, float32 block scales) as stored."""
+        dev = self.w_a.device
+        if fp8 is None:
+            if getattr(self, attr).dtype != self.dtype:   # was FP8 from an earlier load
+                setattr(self, attr, nn.Parameter(torch.empty(full.shape, dtype=self.dtype, device=dev),
+                                                 requires_grad=False))
+            getattr(self, attr).copy_(full)
+            setattr(self, attr + "_scale", None)
+        else:
+            setattr(self, attr, nn.Parameter(fp8[0].to(dev).contiguous(), requires_grad=False))
+            setattr(self, attr + "_scale", fp8[1].to(dev, torch.float32).contiguous())
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            return F.linear(x, weight)
+        return ops.fp8_linear(x, weight, scale, backend=self.op_backend)
 
     def expand_kv(self, c_kv: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor) -> None:
         """kv_b_proj for this rank's head slice, written in place: c_kv [N, r] -> k_nope [N, H_s, dn]
@@ -167,7 +206,8 @@ class MLA(nn.Module):
         if cfg.q_lora_rank is None:
             q = a[:, : self.q_dim]
         else:
-            q = F.linear(rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps), self.w_q_b)
+            q_a = rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps)
+            q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
         q = q.reshape(T, H, cfg.qk_head_dim)
         c_kv = rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps)
         k_pe = a[:, self.q_dim + r:]
@@ -193,7 +233,7 @@ class MLA(nn.Module):
             context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
             decode.absorbed(self, q, group, kv_cache, attn, batch.cache.kv_scale)
-        out = F.linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o)
+        out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks
         return out if self.b_o is None else out + self.b_o

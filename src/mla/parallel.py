@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .config import MLAConfig
 
-__all__ = ["Parallel", "shard_hf_weights"]
+__all__ = ["Parallel", "shard_hf_weights", "shard_block_fp8"]
 
 
 @dataclass(frozen=True)
@@ -113,20 +113,46 @@ class Parallel:
         return recv_o, recv_l
 
 
-def shard_hf_weights(w: dict[str, torch.Tensor], cfg: MLAConfig, parallel: Parallel | None) -> dict[str, torch.Tensor]:
-    """Slice full (dequantized) weights to this rank's share: q_b_proj/q_proj/kv_b_proj
-    rows of its TP heads, o_proj columns of its head slice; the rest replicated."""
-    if parallel is None or parallel.world_size == 1:
-        return w
+def _share(name: str, shape, cfg: MLAConfig, parallel: Parallel):
+    """(dim, start, stop) of this rank's share of a full weight, or None where it is replicated:
+    q_b_proj/q_proj/kv_b_proj rows of its TP heads, o_proj columns of its head slice."""
     H, tp, cp = cfg.num_heads, parallel.tp_size, parallel.cp_size
     H_tp, H_s = H // tp, H // tp // cp
     h0 = parallel.tp_rank * H_tp
     s0 = h0 + parallel.cp_rank * H_s
+    if name in ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight"):
+        per = shape[0] // H
+        return 0, h0 * per, (h0 + H_tp) * per
+    if name == "o_proj.weight":
+        return 1, s0 * cfg.v_head_dim, (s0 + H_s) * cfg.v_head_dim
+    return None
+
+
+def shard_hf_weights(w: dict[str, torch.Tensor], cfg: MLAConfig, parallel: Parallel | None) -> dict[str, torch.Tensor]:
+    """Slice full (dequantized) weights to this rank's share (``_share``); the rest replicated."""
+    if parallel is None or parallel.world_size == 1:
+        return w
     out = dict(w)
-    for name in ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight"):
-        if name in w:
-            t = w[name]
-            out[name] = t.view(H, -1, t.shape[-1])[h0: h0 + H_tp].reshape(-1, t.shape[-1])
-    o = w["o_proj.weight"]
-    out["o_proj.weight"] = o.view(o.shape[0], H, cfg.v_head_dim)[:, s0: s0 + H_s].reshape(o.shape[0], -1)
+    for name, t in w.items():
+        share = _share(name, t.shape, cfg, parallel)
+        if share is not None:
+            dim, start, stop = share
+            out[name] = t.narrow(dim, start, stop - start)
     return out
+
+
+def shard_block_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, cfg: MLAConfig,
+                    parallel: Parallel | None, block: int = 128):
+    """This rank's share of a block-FP8 weight and of its [ceil(out/block), ceil(in/block)]
+    scales, or None where the share does not begin and end on block edges (then the caller
+    dequantizes: a block's scale cannot be split)."""
+    if parallel is None or parallel.world_size == 1:
+        return weight, scale
+    share = _share(name, weight.shape, cfg, parallel)
+    if share is None:
+        return weight, scale
+    dim, start, stop = share
+    if start % block or (stop % block and stop != weight.shape[dim]):
+        return None
+    b0, b1 = start // block, -(-stop // block)
+    return weight.narrow(dim, start, stop - start), scale.narrow(dim, b0, b1 - b0)

@@ -17,7 +17,8 @@ import torch
 from .config import MLAConfig
 from .quant import scale_to_float
 
-__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8", "quantize_block_fp8"]
+__all__ = ["hf_weight_shapes", "read_hf_weights", "read_block_fp8", "split_kv_b", "dequant_block_fp8",
+           "quantize_block_fp8"]
 
 FP8_BLOCK = 128
 
@@ -99,6 +100,16 @@ def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str 
             raise ValueError(f"state dict: expected a floating-point {key!r}, got {t.dtype}")
         out[name] = t
     return out
+
+
+def read_block_fp8(sd: Mapping[str, torch.Tensor], key: str):
+    """(weight float8_e4m3fn, scale float32) of an FP8 checkpoint tensor as stored (ue8m0 scales
+    turned to float32), or None where ``key`` is not e4m3 with a ``weight_scale_inv``. Call
+    after ``read_hf_weights``, which checks the shapes."""
+    t, scale = sd.get(key), sd.get(key[: -len("weight")] + "weight_scale_inv")
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or not isinstance(scale, torch.Tensor):
+        return None
+    return t, scale_to_float(scale).float()
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):

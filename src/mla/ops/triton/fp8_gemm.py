@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -177,5 +178,36 @@ def fp8_bmm(x, weight, weight_scale_inv, out_dtype):
 
 def fp8_linear(x, weight, weight_scale_inv, out_dtype):
     """x [M, K] float; weight [N, K] float8_e4m3fn; weight_scale_inv [ceil(N/128), ceil(K/128)]
-    float32 -> [M, N] in out_dtype."""
+    float32 -> [M, N] in out_dtype.
+
+    The one rule between the two GEMMs: torch's block-scaled ``scaled_mm`` (cuBLAS) above 64
+    rows, this module's kernel at decode sizes. On an H200 at DeepSeek-V3's projections
+    (benchmarks/fp8_gemm.py) scaled_mm took 0.56-0.96x this kernel's time at M 512 and 4096 and
+    1.02-1.76x at M 8-64 (it refused M 1). scaled_mm needs K and N in whole 128-blocks, bf16 output
+    and a CUDA device; elsewhere the kernel serves."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if (M > 64 and x.is_cuda and out_dtype == torch.bfloat16 and K % GROUP == 0 and N % GROUP == 0
+            and _SCALED_MM is not None):
+        return scaled_mm_blockwise(x, weight, weight_scale_inv)
+    return fp8_linear_triton(x, weight, weight_scale_inv, out_dtype)
+
+
+def fp8_linear_triton(x, weight, weight_scale_inv, out_dtype):
+    """``fp8_linear`` through this module's kernels at any M."""
     return fp8_bmm(x[None], weight[None], weight_scale_inv[None], out_dtype)[0]
+
+
+try:   # torch >= 2.10 on sm90: 1x128 x 128x128 block scaling in cuBLAS
+    from torch.nn.functional import ScalingType, scaled_mm as _SCALED_MM
+except ImportError:
+    _SCALED_MM = None
+
+
+def scaled_mm_blockwise(x, weight, weight_scale_inv):
+    """y [M, N] bf16 = x @ W^T through torch's scaled_mm (x quantized by this module's kernel)."""
+    x_q, x_s = quantize_act_1x128(x)
+    x_s = x_s.t().contiguous().t()                                        # scales outer-dim-major
+    padded = F.pad(weight_scale_inv, (0, -weight_scale_inv.shape[1] % 4))   # K blocks padded to 4
+    return _SCALED_MM(x_q, weight.t(), x_s, ScalingType.BlockWise1x128, padded.t(),
+                      ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
