@@ -74,7 +74,8 @@ def main(argv=None):
             tf = 2 * M * N * K / t8 / 1e6
             print(f"{name:<9} {N:>6} {K:>6} {M:>5} {t8:>8.1f} {t16:>8.1f} {t16 / t8:>7.2f}x "
                   f"{tb:>6.2f} {tf:>8.0f} {err:>8.1e} {t_smm:>8.1f} {e_smm:>8.1e}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

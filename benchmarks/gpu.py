@@ -1,10 +1,30 @@
-"""GPU benchmarks of mla on the default grids; extra arguments go to ``mla bench decode``.
+"""Every GPU kernel of mla in one call: each checked against its reference, then timed.
 
-    PYTHONPATH=src python3 benchmarks/gpu.py [--variants default,warps] [--csv out.csv]
+    PYTHONPATH=/tmp/site:src python3 benchmarks/gpu.py [--quick]
+
+1. decode (``mla bench decode``): the dispatched op, the Triton kernel, FlashInfer fa3 when
+   installed (../shared/peers.md), naive PyTorch; DeepSeek-V3 shapes, 16 and 128 heads.
+2. prefill (``mla bench prefill``): prefill attention against SDPA, RoPE + append, gather,
+   merge, the layer's context phase.
+3. FP8 GEMMs (``benchmarks/fp8_gemm.py``): block-scaled FP8 against bf16 and torch's scaled_mm.
+Multi-GPU runs are separate: ``benchmarks/multi_gpu.py``.
 """
+import os
 import sys
 
-from mla.bench import main
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fp8_gemm  # noqa: E402
+
+from mla.bench import main as bench  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["decode", *sys.argv[1:]]))
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py: needs a CUDA GPU")
+    quick = "--quick" in sys.argv[1:]
+    rc = bench(["decode", "--kv-len", "4096", "16384"] + (["--batch", "1", "128"] if quick else []))
+    rc |= bench(["prefill"] + (["--quick"] if quick else []))
+    rc |= fp8_gemm.main(["--m", "1", "64", "4096"] if quick else [])
+    sys.exit(rc)
