@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MLAConfig
+from .weights import FP8_BLOCK
 
 __all__ = ["Parallel", "shard_hf_weights", "shard_block_fp8"]
 
@@ -142,7 +143,7 @@ def shard_hf_weights(w: dict[str, torch.Tensor], cfg: MLAConfig, parallel: Paral
 
 
 def shard_block_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, cfg: MLAConfig,
-                    parallel: Parallel | None, block: int = 128):
+                    parallel: Parallel | None, block: int = FP8_BLOCK):
     """This rank's share of a block-FP8 weight and of its [ceil(out/block), ceil(in/block)]
     scales, or None where the share does not begin and end on block edges (then the caller
     dequantizes: a block's scale cannot be split)."""

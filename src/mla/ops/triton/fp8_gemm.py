@@ -19,8 +19,9 @@ quantized per token per group; w_q, w_scale the checkpoint's float8_e4m3fn weigh
 Schedule from the shapes alone (``gemm_config``, no autotuning): decode-sized M (<= 64) is
 memory-bound on the weight: BLOCK_M 16..64, BLOCK_N 64 and K splits to fill the GPU. Larger M:
 64 x 128 tiles in grouped order (GROUP_M row tiles sweep the columns together, so their weight
-tiles are reused from L2). On an H200 the FP8 path beats bf16 F.linear at decode sizes; at
-M >= 512 cuBLAS bf16 (and torch's block-scaled scaled_mm) are faster (benchmarks/fp8_gemm.py).
+tiles are reused from L2). On an H200 these kernels beat bf16 F.linear at decode sizes; at
+M >= 512 cuBLAS bf16 and torch's block-scaled scaled_mm are faster, so ``fp8_linear`` hands
+M > 64 to scaled_mm where torch has it (benchmarks/fp8_gemm.py, docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import triton.language as tl
 
 from . import jit
 
-__all__ = ["quantize_act_1x128", "fp8_linear", "fp8_bmm", "GemmConfig", "gemm_config"]
+__all__ = ["quantize_act_1x128", "fp8_linear", "fp8_linear_triton", "scaled_mm_blockwise", "fp8_bmm", "GemmConfig",
+           "gemm_config"]
 
 GROUP = 128   # columns per activation scale = the weight's block size
 _GROUP = tl.constexpr(GROUP)   # the same, as kernels see it
