@@ -167,6 +167,15 @@ class MLA(nn.Module):
         and v [N, H_s, dv]; both may be strided views with unit last stride (k_nope = k[..., :dn])."""
         cfg, heads = self.cfg, slice(self.slice_start, self.slice_start + self.num_slice_heads)
         W_UK, W_UV = split_kv_b(self.w_kv_b, self.num_local_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        if c_kv.device.type == "cpu" and c_kv.dtype != torch.float32:
+            # CPU bf16/fp16 bmm (oneDNN) would copy the broadcast input per head ([H_s, N, r]):
+            # one GEMM into a temporary, then two copies, is far smaller there
+            rows = cfg.qk_nope_head_dim + cfg.v_head_dim
+            w = self.w_kv_b[self.slice_start * rows: (self.slice_start + self.num_slice_heads) * rows]
+            kv = F.linear(c_kv, w).view(c_kv.shape[0], self.num_slice_heads, rows)
+            k_nope.copy_(kv[..., : cfg.qk_nope_head_dim])
+            v.copy_(kv[..., cfg.qk_nope_head_dim:])
+            return
         x = c_kv.expand(self.num_slice_heads, *c_kv.shape)      # [H_s, N, r]: stride 0 over heads, no copy
         # One GEMM per head (bmm) rather than one F.linear: a head's [N, d] output block is a matrix
         # whose row stride exceeds its width, which cuBLAS writes in place, so neither half goes
