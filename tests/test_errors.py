@@ -369,6 +369,11 @@ PREFILL_BAD = {
     "cu_seqlens_q int64": ("cu_seqlens_q", lambda a: a["cu_seqlens_q"].long()),
     "cu_seqlens_k int64": ("cu_seqlens_k", lambda a: a["cu_seqlens_k"].long()),
     "cu_seqlens_k length": ("cu_seqlens_k", lambda a: a["cu_seqlens_k"][:2]),
+    # lengths 3 and 4 (7 query rows), 4 and 5 (9 key rows): the longest are 4 and 5
+    "max_seqlen_q too small": ("max_seqlen_q", lambda a: 3),
+    "max_seqlen_q too large": ("max_seqlen_q", lambda a: 8),
+    "max_seqlen_k float": ("max_seqlen_k", lambda a: 5.0),
+    "max_seqlen_k bool": ("max_seqlen_k", lambda a: True),
 }
 
 
@@ -385,6 +390,9 @@ def test_ops_prefill_bad_args(case):
 def test_ops_prefill_values():
     a = _prefill_args()
     out, lse = mla.ops.prefill_attention(**a, backend="torch")
+    for backend in ("torch", "triton"):   # the host hints change no value
+        hinted = mla.ops.prefill_attention(**a, max_seqlen_q=4, max_seqlen_k=5, backend=backend)
+        torch.testing.assert_close(hinted, (out, lse), rtol=1e-5, atol=1e-6)
     for (q0, q1), (k0, k1) in (((0, 3), (0, 4)), ((3, 7), (4, 9))):
         nq, nk = q1 - q0, k1 - k0
         s = torch.einsum("qhd,khd->hqk", a["q"][q0:q1], a["k"][k0:k1]) * 0.25

@@ -215,6 +215,29 @@ def test_prefill_attention_gpu(heads, lq, lk):
 
 
 @gpu
+def test_equal_lengths_chosen_without_reading_offsets_gpu():
+    # B sequences of n rows with the longest lengths given: the choice reads nothing back
+    # (a device read would raise under the sync debug mode); without them it reads once
+    from mla.ops.triton import prefill as tp
+
+    if not (torch.cuda.get_device_capability()[0] >= 9
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")):
+        pytest.skip("cuDNN attention serves sm90+ only")
+    n, B = 1024, 4
+    q = torch.randn(B * n, 16, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B * n, 16, 128, device="cuda", dtype=torch.bfloat16)
+    cu = _cu([n] * B, "cuda")
+    uneven = _cu([n - 1, n + 1] + [n] * (B - 2), "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert tp.use_cudnn(q, q, v, cu, cu, n, n)
+        assert not tp.use_cudnn(q, q, v, uneven, uneven, n + 1, n + 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tp.use_cudnn(q, q, v, cu, cu) and not tp.use_cudnn(q, q, v, uneven, uneven)
+
+
+@gpu
 def test_rope_append_and_gather_gpu():
     T, H, dn, dr, r, bs = 3000, 128, 128, 64, 512, 64
     nb = (T + bs - 1) // bs + 8

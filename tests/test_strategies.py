@@ -195,3 +195,24 @@ def test_expansion_copies_nothing_gpu():
     kv = F.linear(latent[:, :r], layer.w_kv_b).view(N, cfg.num_heads, -1)   # outputs ~N(0, 1)
     torch.testing.assert_close(k[..., :dn], kv[..., :dn], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(v, kv[..., dn:], atol=2e-2, rtol=2e-2)
+
+
+def test_plan_carries_the_longest_lengths_on_the_host():
+    """Every attention call of a context strategy gets its longest query and key lengths as
+    host ints (prefill_attention's max_seqlen_q/k), equal to what its offsets say."""
+    from mla.plan import build_plan
+
+    cfg = mla.MLAConfig.preset("tiny")
+    cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
+    cache.prepare([("a", 30), ("b", 5)])                          # cached prefixes
+    batch = cache.prepare([("a", 7), ("b", 3), ("c", 12), ("d", 9)])
+    for force, workspace in (("cached", 64), ("chunked", 16), (None, 64)):
+        plan = build_plan(batch, cfg, workspace, force)
+        groups = [g for g in (plan.prefill, plan.chunked) if g is not None]
+        passes = plan.cached + [p for g in groups for p in g.passes]
+        assert groups and (passes or force is None)
+        for g in groups:
+            assert g.max_seqlen == int(g.cu_seqlens.diff().max())
+        for p in passes:
+            assert p.max_seqlen_q == int(p.cu_seqlens_q.diff().max())
+            assert p.max_seqlen_k == int(p.cu_seqlens_k.diff().max())

@@ -86,8 +86,8 @@ def _providers():
         r = torch.ops.aten._flash_attention_forward(q, k, v, cq, ck, max(lq), max(lk), 0.0, True, False, scale=s)
         return r[0][..., :DV], None
 
-    def op(q, k, v, cq, ck, lq, lk, s):
-        return prefill_attention(q, k, v, cq, ck, s, True)
+    def op(q, k, v, cq, ck, lq, lk, s):     # with the longest lengths, as the layer passes them
+        return prefill_attention(q, k, v, cq, ck, s, True, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
 
     return {
         "op": op,

@@ -60,6 +60,8 @@ class Pass:
     block_table: torch.Tensor       # [len(seqs), max_blocks] int32
     num_keys: int
     group_rows: torch.Tensor | None = None   # chunked: the queries' positions among the group's rows
+    max_seqlen_q: int = 0           # the longest query / key segment (host ints: no device read)
+    max_seqlen_k: int = 0
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Group:
     seqs: list[int]
     rows: torch.Tensor              # [Tg] int64 token rows of the group, sequence order
     cu_seqlens: torch.Tensor | None = None   # prefill, chunked: [len(seqs) + 1] int32 offsets in rows
+    max_seqlen: int = 0                      # prefill, chunked: the most new tokens of one sequence
     s_q: int = 0                    # absorbed: tokens per sequence
     block_table: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
@@ -122,10 +125,12 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
                     block_table=batch.block_table[ints(seqs, torch.int64)], num_keys=sum(lens),
                     group_rows=None if group_offsets is None else ints(
                         [t for b in seqs for t in range(group_offsets[b], group_offsets[b] + batch.num_new[b])],
-                        torch.int64))
+                        torch.int64),
+                    max_seqlen_q=max(batch.num_new[b] for b in seqs), max_seqlen_k=max(lens))
 
     def make_group(seqs):
-        return Group(seqs, rows_of(seqs), cu_seqlens=ints(cumsum(batch.num_new[b] for b in seqs)))
+        return Group(seqs, rows_of(seqs), cu_seqlens=ints(cumsum(batch.num_new[b] for b in seqs)),
+                     max_seqlen=max(batch.num_new[b] for b in seqs))
 
     by = {s: [b for b, x in enumerate(strategy) if x == s] for s in STRATEGIES}
     if by["prefill"]:

@@ -122,11 +122,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
                 float(kv_scale))
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, backend=None):
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, max_seqlen_q=None,
+                      max_seqlen_k=None, backend=None):
     """Varlen packed attention with log-sum-exp (the expanded, "MHA" path).
 
     q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 offsets.
     causal aligns the ends: the last query of a sequence sees all its keys.
+    max_seqlen_q/k: the longest query / key length, as the caller knows them on the host
+    (flash-attn's varlen convention; optional). They must be exact: with them the GPU path
+    picks its kernel without reading the offsets back (a stream sync).
     Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -138,8 +142,14 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     _check(v.shape[:2] == k.shape[:2], f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
     _check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     _check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    B = cu_seqlens_q.shape[0] - 1
+    for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        # what the host can check: B sequences of at most m rows hold all the rows, none more than all
+        _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m),
+               f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
+               f"got {m!r}")
     return _impl("prefill_attention", backend, q.device)(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal))
+        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal), max_seqlen_q, max_seqlen_k)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):

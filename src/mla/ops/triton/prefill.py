@@ -201,7 +201,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
 # ---------------------------------------------------------------------------------------------
 # cuDNN (through PyTorch) and the rule that chooses.
 
-def use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
+def use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None) -> bool:
     """The rule, from the H200 measurements in docs/PERF.md ("Prefill"): cuDNN (through
     PyTorch, with log-sum-exp) ran 1.1-2.3x faster than our Triton kernel on every shape it
     can serve, so it serves 16-bit inputs on CUDA devices of compute capability >= 9.0 with
@@ -211,9 +211,11 @@ def use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
     else (varlen batches, cached prefixes, fp32, CPU) runs the Triton kernel.
 
     Shapes decide first (inputs are packed: cu_seqlens[-1] is the row count). One sequence
-    with Tq == Tk qualifies without a host read. Several sequences need one read of the
-    offsets, which drains the stream (it cost 0.1-0.2 ms a call in the benchmark), so they
-    are checked only when n = Tq / B >= 1024, where cuDNN's lead is larger than that."""
+    with Tq == Tk qualifies without a host read, and so do B sequences when the caller gives
+    the longest lengths (the layer does): all are equal exactly when B * max_seqlen == Tq.
+    Without them several sequences need one read of the offsets, which drains the stream (it
+    cost 0.1-0.2 ms a call in the benchmark), so they are checked only when n = Tq / B >=
+    1024, where cuDNN's lead is larger than that."""
     Tq, Tk, B = q.shape[0], k.shape[0], cu_seqlens_q.shape[0] - 1
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -228,6 +230,8 @@ def use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
         return False
     if B == 1:
         return True
+    if max_seqlen_q is not None and max_seqlen_k is not None:
+        return B * max_seqlen_q == Tq and B * max_seqlen_k == Tk
     if Tq // B < _CUDNN_MIN_LEN_CHECKED:
         return False
     equal = torch.arange(B + 1, device=q.device, dtype=torch.int32) * (Tq // B)
@@ -250,13 +254,14 @@ def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
     return out, lse
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, max_seqlen_q=None,
+                      max_seqlen_k=None):
     """Varlen packed attention with LSE (see ``mla.ops.reference.prefill_attention``).
 
     q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 (from 0).
     Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32. The path is chosen by
     :func:`use_cudnn`; the Triton path reads nothing on the host.
     """
-    if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return cudnn_prefill(q, k, v, cu_seqlens_q.shape[0] - 1, softmax_scale, causal)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, default_config(q))
