@@ -216,3 +216,33 @@ def test_plan_carries_the_longest_lengths_on_the_host():
         for p in passes:
             assert p.max_seqlen_q == int(p.cu_seqlens_q.diff().max())
             assert p.max_seqlen_k == int(p.cu_seqlens_k.diff().max())
+
+
+def test_decode_batch_reads_and_writes_its_rows_in_place():
+    """A batch of decodes only: its rows are one run, so the absorbed path takes q as a view
+    and the W_UV bmm writes the layer's output rows directly (no gather, no scatter)."""
+    from mla import decode
+    from mla.plan import build_plan
+
+    cfg, layer, _, _ = _setup()
+    cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
+    cache.prepare([("a", 20), ("b", 9)])
+    batch = cache.prepare([("a", 1), ("b", 1)])
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))   # latents
+    (group,) = build_plan(batch, cfg, 64).absorbed
+    assert group.rows == slice(0, 2)
+    q = torch.randn(2, cfg.num_heads, cfg.qk_head_dim, generator=torch.Generator().manual_seed(5))
+    out = torch.zeros(2, cfg.num_heads, cfg.v_head_dim)
+    with _Ops() as ops:
+        decode.absorbed(layer, q, group, cache.layer(0), out)
+    # (the reference decode gathers cache pages by index: those are the cache's, not q's)
+    gathers_q = [n for n, args, _, _ in ops.calls if n == "index" and _storage(args[0]) == _storage(q)]
+    scatters = [n for n, *_ in ops.calls if n.startswith("index_put")]
+    assert not gathers_q and not scatters
+    uv = [kwargs["out"] for name, _, kwargs, _ in ops.calls if name == "bmm" and "out" in kwargs][-1]
+    assert _storage(uv) == _storage(out)
+    # the same values as through an index tensor (gather q, scatter the output)
+    group.rows = torch.arange(2)
+    scattered = torch.zeros_like(out)
+    decode.absorbed(layer, q, group, cache.layer(0), scattered)
+    assert out.abs().sum() > 0 and torch.equal(out, scattered)

@@ -30,15 +30,19 @@ def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tenso
     return q.transpose(0, 1)
 
 
-def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor) -> torch.Tensor:
-    """o_lat [T, H, r] @ W_UV^T per head -> [T, H, dv]."""
-    return torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2)).transpose(0, 1)
+def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """o_lat [T, H, r] @ W_UV^T per head -> [T, H, dv], into ``out`` when given (a [T, H, dv]
+    view with unit last stride, e.g. rows of the layer's output: cuBLAS writes it in place)."""
+    if out is None:
+        return torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2)).transpose(0, 1)
+    torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def absorbed(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
     """Absorbed attention for the group's sequences, all with group.s_q new tokens.
 
-    Writes out[group.rows] for this rank's head slice. Under Helix CP the attention over
+    Writes out[group.rows] for this rank's head slice (rows: a slice or an index tensor). Under Helix CP the attention over
     this rank's share of the cache is a partial, combined with the other ranks' by LSE.
     """
     cfg, par = layer.cfg, layer.parallel
@@ -57,7 +61,10 @@ def absorbed(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
         o_lat, lse = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     o_lat, lse = o_lat.reshape(B * s_q, H, r).to(layer.dtype), lse.reshape(B * s_q, H)
     if par is None or par.cp_size == 1:
-        out[rows] = apply_uv(o_lat, layer.W_UV)
+        if isinstance(rows, slice):     # one run of rows (decode-only batches): W_UV writes them in place
+            apply_uv(o_lat, layer.W_UV, out[rows])
+        else:
+            out[rows] = apply_uv(o_lat, layer.W_UV)
         return
     o = apply_uv(o_lat, layer.W_UV) if par.v_before_exchange else o_lat
     parts_o, parts_lse = par.helix_exchange(o, lse)

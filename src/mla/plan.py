@@ -53,7 +53,7 @@ def choose_strategy(cfg: MLAConfig, num_cached: int, num_new: int, max_workspace
 class Pass:
     """One attention call of a context strategy: queries of `seqs`, keys of their segments."""
     seqs: list[int]                 # batch indices
-    rows: torch.Tensor              # [Tq] int64 token rows of the queries
+    rows: torch.Tensor | slice      # token rows of the queries: [Tq] int64, or a slice where contiguous
     cu_seqlens_q: torch.Tensor      # [len(seqs) + 1] int32
     cu_seqlens_k: torch.Tensor      # [len(seqs) + 1] int32
     starts: torch.Tensor            # [len(seqs)] int32 first token of each key segment
@@ -67,7 +67,7 @@ class Pass:
 @dataclass
 class Group:
     seqs: list[int]
-    rows: torch.Tensor              # [Tg] int64 token rows of the group, sequence order
+    rows: torch.Tensor | slice      # token rows of the group, sequence order ([Tg] int64, or a slice)
     cu_seqlens: torch.Tensor | None = None   # prefill, chunked: [len(seqs) + 1] int32 offsets in rows
     max_seqlen: int = 0                      # prefill, chunked: the most new tokens of one sequence
     s_q: int = 0                    # absorbed: tokens per sequence
@@ -111,7 +111,13 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
     def rows_of(seqs):
-        return ints([t for b in seqs for t in range(offsets[b], offsets[b + 1])], torch.int64)
+        """The token rows of ``seqs``: a slice where they are one run (a view, no gather or
+        scatter: e.g. a batch of decodes only), else an index tensor."""
+        rows = [t for b in seqs for t in range(offsets[b], offsets[b + 1])]
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):
+            return slice(first, first + len(rows))
+        return ints(rows, torch.int64)
 
     def cumsum(xs):
         out = [0]
