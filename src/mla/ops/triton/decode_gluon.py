@@ -59,6 +59,17 @@ _LOG2E = 1.4426950408889634
 _D, _DV, _BLOCK_M, _BLOCK_N = 576, 512, 64, 64
 
 
+# a warpgroup's layouts: S [64, BN] and its half of O [64, 256] as wgmma accumulators, and
+# rows of 64 columns for plain loads and stores of a tile
+_ACC_L = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _s_layout(BN):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+
+
 @gluon.jit
 def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
         BN: gl.constexpr, S_L: gl.constexpr, LD_L: gl.constexpr):
@@ -136,6 +147,16 @@ def _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_
 
 
 @gluon.jit
+def _add_other_l(l_i, mine, theirs, l_bar, ROW_L: gl.constexpr):
+    """l = l0 + l1: each warpgroup summed its own P with the same rescales (same reference max)."""
+    mine.store(l_i)
+    fence_async_shared()
+    mbarrier.arrive(l_bar.index(0), count=1)
+    mbarrier.wait(l_bar.index(0), 0)
+    return l_i + theirs.load(ROW_L)
+
+
+@gluon.jit
 def _wg0(a):
     """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
@@ -143,10 +164,10 @@ def _wg0(a):
      qk_scale, CAUSAL) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    S_L: gl.constexpr = _s_layout(BN)
+    ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
@@ -187,12 +208,7 @@ def _wg0(a):
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(b1), count=1)
         mbarrier.arrive(p_free.index(1), count=1)
-    # l = l0 + l1 (same reference max in both warpgroups)
-    stats[4].store(l_i)
-    fence_async_shared()
-    mbarrier.arrive(l_bar.index(0), count=1)
-    mbarrier.wait(l_bar.index(0), 0)
-    l_tot = l_i + stats[5].load(ROW_L)
+    l_tot = _add_other_l(l_i, stats[4], stats[5], l_bar, ROW_L)
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 0,
                True, S_L, ACC_L)
 
@@ -205,10 +221,10 @@ def _wg1(a, kv_desc, BT, bt_row, block_size):
      qk_scale, CAUSAL) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    S_L: gl.constexpr = _s_layout(BN)
+    ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
@@ -249,11 +265,7 @@ def _wg1(a, kv_desc, BT, bt_row, block_size):
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(b1), count=1)
-    stats[5].store(l_i)
-    fence_async_shared()
-    mbarrier.arrive(l_bar.index(0), count=1)
-    mbarrier.wait(l_bar.index(0), 0)
-    l_tot = l_i + stats[4].load(ROW_L)
+    l_tot = _add_other_l(l_i, stats[5], stats[4], l_bar, ROW_L)
     m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 256,
                False, S_L, ACC_L)
