@@ -171,13 +171,16 @@ def _flashinfer_provider():
                kv_indices=c["table"].reshape(-1).contiguous(), kv_len_arr=c["seqlens"], num_heads=H,
                head_dim_ckv=DL, head_dim_kpe=DR, page_size=c["page"], causal=s_q > 1, sm_scale=c["scale"],
                q_data_type=torch.bfloat16, kv_data_type=c["kv"].dtype)
-        if c["kv_format"] == "fp8_tile":
-            raise ValueError("FlashInfer has no tile-scaled FP8 MLA cache")
+        if c["kv_format"] == "fp8_tile":   # its per-128 scales come with an FP8 rope part; ours is bf16
+            raise ValueError("FlashInfer has no MLA cache with bf16 rope beside scaled e4m3 latents")
+        # FP8 rows (one e4m3 scale for all 576 values, 1.0 here): FlashInfer takes it per part
+        scales = dict(ckv_scale=1.0, kpe_scale=1.0) if c["kv_format"] == "fp8" else {}
         q = c["q"].reshape(B * s_q, H, DL + DR)
         out = torch.empty(B * s_q, H, DL, dtype=torch.bfloat16, device=dev)
 
         def call(kv):
-            w.run(q_nope=q[..., :DL], q_pe=q[..., DL:], ckv_cache=kv[..., :DL], kpe_cache=kv[..., DL:], out=out)
+            w.run(q_nope=q[..., :DL], q_pe=q[..., DL:], ckv_cache=kv[..., :DL], kpe_cache=kv[..., DL:], out=out,
+                  **scales)
             return out.view(B, s_q, H, DL)
         return call, "fa3"
     return make
