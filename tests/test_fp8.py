@@ -141,6 +141,9 @@ def test_fp8_checkpoint_scale_shape_is_checked():
     sd[PREFIX + "o_proj.weight_scale_inv"] = torch.ones(3, 3)
     with pytest.raises(ValueError, match="weight_scale_inv"):
         layer.load_hf_state_dict(sd, prefix=PREFIX)                    # wrong scale shape
+    kept = mla.MLA(cfg, dtype=torch.float32, fp8_weights="always")    # the path that keeps it FP8
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        kept.load_hf_state_dict(sd, prefix=PREFIX)
 
 
 @pytest.mark.parametrize("scaling,kv_scale", [("tensor", 1.0), ("tensor", 4.0), ("tile", 1.0)])

@@ -29,7 +29,7 @@ from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
 from .plan import STRATEGIES, build_plan
 from .rope import cos_sin, inv_freq, query_temperature
-from .weights import read_block_fp8, read_hf_weights, split_kv_b
+from .weights import dequant_block_fp8, read_hf_weights, split_kv_b
 
 __all__ = ["MLA"]
 
@@ -121,13 +121,16 @@ class MLA(nn.Module):
         kv_a/q_a, slower in FP8 there, and kv_b_proj, whose W_UK/W_UV serve the absorbed bmm
         and the expansion, are dequantized: docs/PERF.md). A TP/CP share that would split a
         128-block is dequantized too."""
-        w = shard_hf_weights(read_hf_weights(self.cfg, sd, prefix), self.cfg, self.parallel)
         lite = self.cfg.q_lora_rank is None
+        fp8_names = ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",))
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
-        kept = {}
-        for name in ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",)):
-            raw = read_block_fp8(sd, prefix + name) if keep else None
-            kept[name] = raw and shard_block_fp8(name, *raw, self.cfg, self.parallel)
+        w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else ())
+        kept = dict.fromkeys(fp8_names)      # name -> this rank's (e4m3 weight, scales), or None
+        for name in fp8_names:
+            if isinstance(w[name], tuple):   # stored as e4m3 and asked for as such
+                kept[name] = shard_block_fp8(name, *w[name], self.cfg, self.parallel)
+                w[name] = dequant_block_fp8(*w[name]) if kept[name] is None else w[name][0]
+        w = shard_hf_weights(w, self.cfg, self.parallel)
         self.w_a.copy_(torch.cat((w["q_proj.weight" if lite else "q_a_proj.weight"],
                                   w["kv_a_proj_with_mqa.weight"]), 0))
         if self.b_a is not None:

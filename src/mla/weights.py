@@ -10,15 +10,14 @@ The one place that knows checkpoint layouts:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
 from .config import MLAConfig
 from .quant import scale_to_float
 
-__all__ = ["hf_weight_shapes", "read_hf_weights", "read_block_fp8", "split_kv_b", "dequant_block_fp8",
-           "quantize_block_fp8"]
+__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8", "quantize_block_fp8"]
 
 FP8_BLOCK = 128
 
@@ -45,16 +44,21 @@ def hf_weight_shapes(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> None:
+    expected = (-(-weight.shape[0] // block), -(-weight.shape[1] // block))
+    if not isinstance(scale_inv, torch.Tensor) or tuple(scale_inv.shape) != expected:
+        got = tuple(scale_inv.shape) if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
+        raise ValueError(f"weight_scale_inv: expected shape {expected} for a weight of shape "
+                         f"{tuple(weight.shape)}, got {got}")
+
+
 def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """float8 weight [out, in] with scale [ceil(out/block), ceil(in/block)] -> float32 [out, in].
 
     Each block x block tile is multiplied by its scale; tiles past the edge are partial.
     """
     out_f, in_f = weight.shape
-    expected = (-(-out_f // block), -(-in_f // block))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv: expected shape {expected} for a weight of shape "
-                         f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}")
+    _check_scale(weight, scale_inv, block)
     s = scale_to_float(scale_inv).repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
     return weight.float() * s
 
@@ -77,8 +81,11 @@ def quantize_block_fp8(weight: torch.Tensor, ue8m0: bool = False, block: int = F
     return q, ((torch.log2(scale) + 127).to(torch.uint8) if ue8m0 else scale)
 
 
-def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of one layer from a state dict, checked and dequantized (float32 where FP8).
+def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "",
+                    keep_fp8: Collection[str] = ()) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor of one layer from a state dict, checked and dequantized (float32 where FP8),
+    except the names in ``keep_fp8`` stored as float8_e4m3fn: those come as they are stored,
+    (weight, float32 block scales), ue8m0 scales turned to float32.
 
     Raises ValueError naming the first missing or mis-shaped tensor, before anything is loaded.
     """
@@ -95,21 +102,15 @@ def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str 
             scale_key = key[: -len("weight")] + "weight_scale_inv"
             if scale_key not in sd:
                 raise ValueError(f"state dict: expected {scale_key!r} beside the FP8 tensor {key!r}")
-            t = dequant_block_fp8(t, sd[scale_key])
+            if name in keep_fp8 and t.dtype == torch.float8_e4m3fn:
+                _check_scale(t, sd[scale_key])
+                t = (t, scale_to_float(sd[scale_key]).float())
+            else:
+                t = dequant_block_fp8(t, sd[scale_key])
         elif not t.is_floating_point():
             raise ValueError(f"state dict: expected a floating-point {key!r}, got {t.dtype}")
         out[name] = t
     return out
-
-
-def read_block_fp8(sd: Mapping[str, torch.Tensor], key: str):
-    """(weight float8_e4m3fn, scale float32) of an FP8 checkpoint tensor as stored (ue8m0 scales
-    turned to float32), or None where ``key`` is not e4m3 with a ``weight_scale_inv``. Call
-    after ``read_hf_weights``, which checks the shapes."""
-    t, scale = sd.get(key), sd.get(key[: -len("weight")] + "weight_scale_inv")
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or not isinstance(scale, torch.Tensor):
-        return None
-    return t, scale_to_float(scale).float()
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
