@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from mla import quant
 from test_decode_kernel import attend as _attend
 from test_decode_kernel import make_case as _make_case
 
@@ -37,11 +38,20 @@ def attend(q, kv, table, seqlens, scale, causal, dtype):
     return _attend(q, kv, table, seqlens, DV, scale, causal, dtype)
 
 
-def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, **kw):
+def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, kv_fmt="plain", kv_scale=1.0,
+          **kw):
+    """kv_fmt "fp8" / "fp8_tile": the kernel reads FP8 rows of the case's cache; the oracles see
+    those rows dequantized (in q's dtype: exact for fp8 with a power-of-two kv_scale, and the
+    kernel rounds a tile row's value times its scale to q's dtype the same way)."""
     q, kv, table, seqlens = make_case(lens, s_q, H, block_size, dtype, seed)
-    assert dg.supports(q, kv, block_size)
+    stored = kv
+    if kv_fmt != "plain":    # NaN rows stay NaN (tile rows: NaN scales)
+        stored = quant.quantize_rows(kv.view(-1, DV + DR).float(), kv_fmt, DV, kv_scale)
+        kv = quant.dequantize_rows(stored, kv_fmt, DV, dtype, kv_scale).view(kv.shape)
+        stored = stored.view(*kv.shape[:2], -1)
+    assert dg.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)
-    out, lse = dg.launch_gluon(q, kv, table, seqlens, DV, scale, causal, **kw)
+    out, lse = dg.launch_gluon(q, stored, table, seqlens, DV, scale, causal, kv_scale=kv_scale, **kw)
     assert out.shape == (len(lens), s_q, H, DV) and out.dtype == dtype
     assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
     ref_out, ref_lse = attend(q, kv, table, seqlens, scale, causal, torch.float64)
@@ -90,6 +100,20 @@ def test_fp16_page128_non_causal(block_n):
     check([5000, 7], 3, 128, causal=False, seed=3, block_n=block_n)
 
 
+@pytest.mark.parametrize("kv_fmt,kv_scale", [("fp8", 0.5), ("fp8", 1.0), ("fp8_tile", 1.0)])
+@pytest.mark.parametrize("H,s_q", [(16, 1), (128, 2), (3, 4)])
+def test_fp8_rows(kv_fmt, kv_scale, H, s_q):
+    """FP8 rows widened in the kernel: lengths 0, s_q, 1, partial tails, several pages; a kv_scale
+    applied twice or not at all would miss the oracle by far more than the bound."""
+    check([0, s_q, 1, 700, 4099, 2048], s_q, H, seed=H + s_q, kv_fmt=kv_fmt, kv_scale=kv_scale)
+
+
+@pytest.mark.parametrize("kv_fmt", ["fp8", "fp8_tile"])
+def test_fp8_rows_splits_fp16_page128(kv_fmt):
+    check([5, 130, 1000, 20000], 2, 16, seed=7, kv_fmt=kv_fmt, kv_scale=2.0, num_splits=40)
+    check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, kv_fmt=kv_fmt, causal=False)
+
+
 def test_entry_point_and_graph_capture():
     q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 64, torch.bfloat16, seed=9)
     scale = 1 / math.sqrt(576)
@@ -115,3 +139,9 @@ def test_supports_rejects():
     assert not dg.supports(q[..., :320], kv[..., :320], 64)        # other head dims
     assert not dg.supports(q.cpu(), kv.cpu(), 64)
     assert not dg.supports(q, kv[::2], 64)                         # blocks not one row matrix
+    assert dg.supports(q, kv.to(torch.float8_e4m3fn), 64)
+    assert dg.supports(q, torch.zeros(4, 64, 656, dtype=torch.uint8, device="cuda"), 64)
+    assert not dg.supports(q, torch.zeros(4, 64, 576, dtype=torch.uint8, device="cuda"), 64)   # tile rows are 656 B
+    with pytest.raises(ValueError, match="block_n"):
+        dg.launch_gluon(q, kv.to(torch.float8_e4m3fn), torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                        torch.ones(1, dtype=torch.int32, device="cuda"), DV, 0.1, block_n=64)

@@ -297,7 +297,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     """
     if use_gluon(q, kv_cache, head_dim_v):
         from .decode_gluon import mla_decode_gluon
-        return mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+        return mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale)
     max_len = block_table.shape[1] * kv_cache.shape[1]
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                   default_config(q, max_len), kv_scale)
@@ -305,7 +305,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
 
 def use_gluon(q, kv_cache, head_dim_v) -> bool:
     """The one rule between the two decode kernels: the warp-specialized Gluon kernel (wgmma +
-    TMA) on Hopper whenever it takes the inputs (plain bf16/fp16 rows of 576, dv 512). On an
+    TMA) on Hopper whenever it takes the inputs (bf16/fp16 queries, dv 512, rows of 576 in q's
+    dtype or FP8, or FP8 tile rows). For plain rows, on an
     H200 (18 shapes, 16 and 128 heads) it was 1.2-2.0x faster than this kernel except at
     batch 1 with 4k tokens (14.3 vs 12.2 us at 16 heads, 20.6 vs 20.1 at 128) and at 16 heads
     batch 32 (within 1%) (docs/PERF.md)."""

@@ -72,9 +72,10 @@ def _s_layout(BN):
 
 @gluon.jit
 def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
-        BN: gl.constexpr, S_L: gl.constexpr, LD_L: gl.constexpr):
-    """S = Q K^T for one BN-key tile, box by box as the loads land; zero the tail rows first."""
-    if n0 + BN > end:   # tail tile: wait for everything, zero rows >= end
+        BN: gl.constexpr, S_L: gl.constexpr, LD_L: gl.constexpr, WIDENED: gl.constexpr):
+    """S = Q K^T for one BN-key tile, box by box as the loads land; zero the tail rows first.
+    WIDENED: the tile was written by ``_widen`` (complete, tail rows already zero)."""
+    if not WIDENED and n0 + BN > end:   # tail tile: wait for everything, zero rows >= end
         for c in gl.static_range(9):
             mbarrier.wait(ready.index(buf * 9 + c), phase)
         rl = gl.arange(0, BN, layout=gl.SliceLayout(1, LD_L))
@@ -89,12 +90,54 @@ def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
         gl.thread_barrier()
     s = gl.zeros([64, BN], gl.float32, S_L)
     for c in gl.static_range(8):
-        mbarrier.wait(ready.index(buf * 9 + c), phase)
+        if not WIDENED:
+            mbarrier.wait(ready.index(buf * 9 + c), phase)
         s = warpgroup_mma(q_smem.slice(c * 64, 64, dim=1), k_buf.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                           use_acc=c > 0, is_async=True)
-    mbarrier.wait(ready.index(buf * 9 + 8), phase)
+    if not WIDENED:
+        mbarrier.wait(ready.index(buf * 9 + 8), phase)
     s = warpgroup_mma(qpe, kpe_buf.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+
+@gluon.jit
+def _widen(st8, ready, j, k_buf, kpe_buf, empty, n0, end, KV_FMT: gl.constexpr):
+    """FP8 tile j (staging stage j % NST) -> the compute dtype in k_buf / kpe_buf, rows >= end
+    zeroed (unused slots may hold NaN); then the stage goes back to the loader.
+    KV_FMT 1: e4m3 rows (kv_scale is applied outside: in qk_scale and on the output), widened
+    exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16)."""
+    k8, pe8, sc8, free8 = st8
+    BN: gl.constexpr = k_buf.shape[0]
+    NST: gl.constexpr = k8.shape[0]
+    dtype: gl.constexpr = k_buf.dtype
+    CV_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # 16 bytes of FP8 a thread
+    SC_L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+    st = j % NST
+    ph = (j // NST) & 1
+    NBUF: gl.constexpr = 2
+    mbarrier.wait(empty.index(j % NBUF), ((j // NBUF) & 1) ^ 1)   # both warpgroups done with tile j - 2
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, CV_L)) < end)[:, None]
+    if KV_FMT == 2:
+        mbarrier.wait(ready.index(st * 9 + 8), ph)    # k_pe and the scales
+        sc = sc8.index(st).load(SC_L)
+        g4 = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))[None, :]
+    for c in gl.static_range(8):
+        mbarrier.wait(ready.index(st * 9 + c), ph)
+        x = k8.index(st).slice(c * 64, 64, dim=1).load(CV_L)
+        if KV_FMT == 2:
+            col = gl.sum(gl.where(g4 == c // 2, sc, 0.0), axis=1)
+            y = x.to(gl.float32) * gl.convert_layout(col, gl.SliceLayout(1, CV_L))[:, None]
+        else:
+            y = x
+        y = y.to(dtype)
+        k_buf.slice(c * 64, 64, dim=1).store(gl.where(keep, y, gl.zeros_like(y)))
+    if KV_FMT == 1:
+        mbarrier.wait(ready.index(st * 9 + 8), ph)
+    x = pe8.index(st).load(CV_L).to(dtype)
+    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(free8.index(st), count=1)
 
 
 @gluon.jit
@@ -131,9 +174,9 @@ def _limits(ml, seqlen, H, S_Q, CAUSAL: gl.constexpr, S_L: gl.constexpr):
 
 @gluon.jit
 def _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, col0,
-               WRITE_LSE: gl.constexpr, S_L: gl.constexpr, ACC_L: gl.constexpr):
+               v_scale, WRITE_LSE: gl.constexpr, S_L: gl.constexpr, ACC_L: gl.constexpr):
     empty = l_tot == 0.0
-    inv = 1.0 / gl.where(empty, 1.0, l_tot)
+    inv = v_scale / gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(inv, gl.SliceLayout(1, ACC_L))[:, None]
     mo = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
     do = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC_L))
@@ -157,11 +200,11 @@ def _add_other_l(l_i, mine, theirs, l_bar, ROW_L: gl.constexpr):
 
 
 @gluon.jit
-def _wg0(a):
+def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
      l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, CAUSAL) = a
+     qk_scale, v_scale, st8) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
@@ -182,7 +225,10 @@ def _wg0(a):
         b1 = b0 + 1
         n0 = start + 2 * i * BN
         has1 = 2 * i + 1 < n_tiles
-        s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L)
+        if KV_FMT != 0:
+            _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), empty, n0, end, KV_FMT)
+        s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L,
+                KV_FMT != 0)
         p, m0, a0, rs = _probs(s, n0, end, limit, m_i, qk_scale, BN, S_L)
         l_i = l_i * a0 + rs
         p16 = p.to(dtype)
@@ -210,15 +256,15 @@ def _wg0(a):
         mbarrier.arrive(p_free.index(1), count=1)
     l_tot = _add_other_l(l_i, stats[4], stats[5], l_bar, ROW_L)
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 0,
-               True, S_L, ACC_L)
+               v_scale, True, S_L, ACC_L)
 
 
 @gluon.jit
-def _wg1(a, kv_desc, BT, bt_row, block_size):
+def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Odd tiles: S1 alongside WG0's S0, O_R += P0 V0_R, softmax against m0, O_R += P1 V1_R."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
      l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, CAUSAL) = a
+     qk_scale, v_scale, st8) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
@@ -239,7 +285,10 @@ def _wg1(a, kv_desc, BT, bt_row, block_size):
         n1 = start + (2 * i + 1) * BN
         has1 = 2 * i + 1 < n_tiles
         if has1:
-            s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L, LD_L)
+            if KV_FMT != 0:
+                _widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), empty, n1, end, KV_FMT)
+            s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L, LD_L,
+                    KV_FMT != 0)
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)
         mbarrier.wait(p_ready.index(0), ph)
@@ -268,46 +317,55 @@ def _wg1(a, kv_desc, BT, bt_row, block_size):
     l_tot = _add_other_l(l_i, stats[5], stats[4], l_bar, ROW_L)
     m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 256,
-               False, S_L, ACC_L)
+               v_scale, False, S_L, ACC_L)
 
 
 @gluon.jit
-def _loader(a, kv_desc, BT, bt_row, block_size):
+def _loader(a, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size, KV_FMT: gl.constexpr):
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
      l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, CAUSAL) = a
-    BN: gl.constexpr = k_smem.shape[1]
-    NBUF: gl.constexpr = k_smem.shape[0]
+     qk_scale, v_scale, st8) = a
+    # the ring it fills: the K tiles themselves (bf16/fp16 cache) or the FP8 staging stages
+    if KV_FMT == 0:
+        ring, ring_pe, free = k_smem, kpe_smem, empty
+    else:
+        ring, ring_pe, ring_sc, free = st8
+    BN: gl.constexpr = ring.shape[1]
+    NBUF: gl.constexpr = ring.shape[0]
     for j in range(n_tiles):
         buf = j % NBUF
-        mbarrier.wait(empty.index(buf), ((j // NBUF) & 1) ^ 1)
+        mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
         n0 = start + j * BN
         blk = gl.load(BT + bt_row + n0 // block_size)
         row0 = blk * block_size + n0 % block_size
+        bar = ready.index(buf * 9 + 8)
+        if KV_FMT == 2:   # k_pe (bf16) and the scales (float32) first: the widening waits for them first
+            mbarrier.expect(bar, pe_desc.block_type.nbytes + sc_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
+            tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
         for c in gl.static_range(8):
             bar = ready.index(buf * 9 + c)
             mbarrier.expect(bar, kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, k_smem.index(buf).slice(c * 64, 64, dim=1))
-        bar = ready.index(buf * 9 + 8)
-        mbarrier.expect(bar, kv_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, kpe_smem.index(buf))
+            tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
+        if KV_FMT != 2:
+            bar = ready.index(buf * 9 + 8)
+            mbarrier.expect(bar, kv_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
 
 
 @gluon.jit
 def _seesaw_kernel(
-    Q, kv_desc, BT, SEQLENS, O, LSE,
+    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
     stride_qb, stride_qi, stride_qh,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, block_size, num_splits, qk_scale,
-    CAUSAL: gl.constexpr, P_SM: gl.constexpr, num_warps: gl.constexpr,
+    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, dtype: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
-    dtype: gl.constexpr = kv_desc.dtype
-    SM_L: gl.constexpr = kv_desc.layout
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
-    NBUF: gl.constexpr = 128 // BN
     ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pid_m = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -316,6 +374,14 @@ def _seesaw_kernel(
     Q_SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
                                               rank=2)
     q_smem = gl.allocate_shared_memory(dtype, [64, 512], Q_SM)
+    # K tiles in the compute dtype: the loader's ring (bf16/fp16 cache: 2 x 64 or 4 x 32 keys), or,
+    # for FP8 rows, one 32-key tile per warpgroup that it widens from the FP8 staging ring into
+    if KV_FMT == 0:
+        NBUF: gl.constexpr = 128 // BN
+        NLOAD: gl.constexpr = NBUF
+    else:
+        NBUF: gl.constexpr = 2
+        NLOAD: gl.constexpr = 4 if KV_FMT == 1 else 3      # stages of FP8 rows (smem: 227 KB in all)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 512], SM_L)
     kpe_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, BN], P_SM)
@@ -323,12 +389,12 @@ def _seesaw_kernel(
     stats = (gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
              gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
              gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L))
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF * 9, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NBUF * 9):
+    for i in gl.static_range(NLOAD * 9):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(NBUF):
         mbarrier.init(empty.index(i), count=2)
@@ -336,6 +402,20 @@ def _seesaw_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(l_bar.index(0), count=2)
+    if KV_FMT == 0:
+        st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
+    else:   # the FP8 staging ring: latent, k_pe, scales (tile rows), and the loader's "stage free"
+        k8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 512], kv_desc.layout)
+        if KV_FMT == 1:
+            pe8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 64], kv_desc.layout)
+            sc8 = stats[0]                               # not used
+        else:
+            pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NLOAD, BN, 64], pe_desc.layout)
+            sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NLOAD, BN, 4], sc_desc.layout)
+        free8 = gl.allocate_shared_memory(gl.int64, [NLOAD, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NLOAD):
+            mbarrier.init(free8.index(i), count=1)
+        st8 = (k8, pe8, sc8, free8)
 
     seqlen = gl.load(SEQLENS + b)
     per_split = (seqlen + num_splits - 1) // num_splits
@@ -354,7 +434,8 @@ def _seesaw_kernel(
     qrow = Q + q_base + (rows // H) * stride_qi + (rows % H) * stride_qh
     qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
     for c in gl.static_range(8):
-        q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0))
+        q_smem.slice(c * 64, 64, dim=1).store(
+            gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -362,16 +443,22 @@ def _seesaw_kernel(
     l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base,
             o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
-            stride_li, qk_scale, CAUSAL)
+            stride_li, qk_scale, v_scale, st8)
     gl.warp_specialize([
-        (_wg0, (args, )),
-        (_wg1, (args, kv_desc, BT, bt_row, block_size)),
-        (_loader, (args, kv_desc, BT, bt_row, block_size)),
+        (_wg0, (args, CAUSAL, KV_FMT)),
+        (_wg1, (args, CAUSAL, KV_FMT)),
+        (_loader, (args, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size, KV_FMT)),
     ], [4, 1], [240, 24])
 
 
+_FORMATS = {torch.float8_e4m3fn: 1, torch.uint8: 2}     # KV_FMT of the FP8 rows; 0: q's dtype
+_ROW = {0: _D, 1: _D, 2: _DV + 4 * _DV // 128 + 2 * (_D - _DV)}     # elements (bytes for FP8) per row
+
+
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_size: int | None = None) -> bool:
-    """True when ``mla_decode_gluon`` handles these tensors (else use the portable kernel)."""
+    """True when ``mla_decode_gluon`` handles these tensors (else use the portable kernel):
+    bf16/fp16 queries over rows in their dtype, FP8 rows (float8_e4m3fn) or FP8 tile rows
+    (uint8, ``mla.quant``)."""
     if kv_cache.dim() == 4:
         if kv_cache.shape[2] != 1:
             return False
@@ -382,9 +469,10 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_size: int | None = N
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
+    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    if q.dtype not in (torch.bfloat16, torch.float16) or (fmt == 0 and kv_cache.dtype != q.dtype):
         return False
-    if q.dim() != 4 or q.shape[-1] != _D or kv_cache.shape[-1] != _D or q.stride(-1) != 1:
+    if q.dim() != 4 or q.shape[-1] != _D or kv_cache.shape[-1] != _ROW[fmt] or q.stride(-1) != 1:
         return False
     if block_size % _BLOCK_N != 0 or kv_cache.shape[1] != block_size:
         return False
@@ -411,10 +499,31 @@ def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> i
     return max(1, min(per_seq, triton.cdiv(max_len, _BLOCK_N)))
 
 
+def _descriptors(kv_cache, fmt: int, block_n: int, gdt):
+    """TMA descriptors over the cache rows as one 2-D matrix: (rows or FP8 latent, k_pe, scales);
+    the last two only for FP8 tile rows (else the first again)."""
+    num_blocks, block_size, width = kv_cache.shape
+    rows = kv_cache.as_strided((num_blocks * block_size, width), (kv_cache.stride(1), 1))
+
+    def desc(t, cols, dt):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [block_n, cols],
+                                gl.NVMMASharedLayout.get_default_for([block_n, cols], dt))
+    if fmt == 0:
+        d = desc(rows, 64, gdt)
+        return d, d, d
+    if fmt == 1:
+        d = desc(rows, 64, gl.float8e4nv)
+        return d, d, d
+    lat = rows[:, :_DV].view(torch.float8_e4m3fn)
+    sc = rows[:, _DV: _DV + 4 * _DV // 128].view(torch.float32)
+    pe = rows[:, _DV + 4 * _DV // 128:].view(torch.bfloat16)
+    return desc(lat, 64, gl.float8e4nv), desc(pe, 64, gl.bfloat16), desc(sc, 4, gl.float32)
+
+
 def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-                 num_splits: int | None = None, block_n: int | None = None):
+                 num_splits: int | None = None, block_n: int | None = None, kv_scale: float = 1.0):
     """``mla_decode_gluon`` with an explicit split count and tile (``block_n`` keys: 64 = a ring
-    of two tiles, 32 = a ring of four; default by ``default_block_n``)."""
+    of two tiles, 32 = a ring of four; default by ``default_block_n``; FP8 rows: 32 only)."""
     if block_n not in (None, 32, 64):
         raise ValueError(f"block_n: expected 32 or 64, got {block_n!r}")
     if kv_cache.dim() == 4:
@@ -423,6 +532,9 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     num_blocks, block_size, _ = kv_cache.shape
     if head_dim_v != _DV or d != _D or not supports(q, kv_cache, block_size):
         raise ValueError("mla_decode_gluon: unsupported shapes/dtypes/layout (see supports())")
+    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    if fmt != 0 and block_n not in (None, 32):
+        raise ValueError(f"block_n: FP8 rows are read in tiles of 32 keys, got {block_n}")
     out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:
@@ -431,26 +543,27 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     if num_splits is None:
         num_splits = default_splits(B, rows, block_table.shape[1] * block_size, q.device)
     if block_n is None:
-        block_n = default_block_n(B, rows)
+        block_n = default_block_n(B, rows) if fmt == 0 else 32
     S = num_splits
     if S == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
         o_part = torch.empty(S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
         l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt)
-    kv2 = kv_cache.as_strided((num_blocks * block_size, _D), (kv_cache.stride(1), 1))
-    kv_desc = TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [block_n, 64], layout)
+    # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly in one instruction a pair (bf16: three)
+    gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
+    kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, block_n, gdt)
+    v_scale = float(kv_scale) if fmt == 1 else 1.0
     grid = (triton.cdiv(rows, _BLOCK_M), S, B)
     _seesaw_kernel[grid](
-        q, kv_desc, block_table, cache_seqlens, o_part, l_part,
+        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, block_size, S, softmax_scale * _LOG2E,
-        CAUSAL=bool(causal), P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt),
+        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
+        P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt),
         # 3 warpgroups x 128 threads x 168 = the 64K register file: 240 each for WG0 and WG1, 24 for the loader
         num_warps=4, maxnreg=168,
     )
@@ -459,10 +572,12 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     return out, lse
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True):
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
+                     kv_scale=1.0):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) on Hopper via Gluon.
 
     Only for inputs where ``supports(q, kv_cache, block_size)`` is True. No host
     synchronisation: splits from ``block_table.shape[1] * block_size``.
     """
-    return launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    return launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                        kv_scale=kv_scale)
