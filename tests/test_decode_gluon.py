@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs an sm90 (Hopper) GPU")
 
 if SM90:
     from mla.ops.triton import decode_gluon as dg
+    from mla.ops.triton import decode_gluon_narrow as dn
 
 TILES = [64, 32]     # keys per tile: a ring of two or of four
 
@@ -51,7 +52,8 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
         stored = stored.view(*kv.shape[:2], -1)
     assert dg.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)
-    out, lse = dg.launch_gluon(q, stored, table, seqlens, DV, scale, causal, kv_scale=kv_scale, **kw)
+    launch = dn.launch_narrow if kw.pop("narrow", False) else dg.launch_gluon
+    out, lse = launch(q, stored, table, seqlens, DV, scale, causal, kv_scale=kv_scale, **kw)
     assert out.shape == (len(lens), s_q, H, DV) and out.dtype == dtype
     assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
     ref_out, ref_lse = attend(q, kv, table, seqlens, scale, causal, torch.float64)
@@ -112,6 +114,25 @@ def test_fp8_rows(kv_fmt, kv_scale, H, s_q):
 def test_fp8_rows_splits_fp16_page128(kv_fmt):
     check([5, 130, 1000, 20000], 2, 16, seed=7, kv_fmt=kv_fmt, kv_scale=2.0, num_splits=40)
     check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, kv_fmt=kv_fmt, causal=False)
+
+
+@pytest.mark.parametrize("kv_fmt", ["plain", "fp8", "fp8_tile"])
+@pytest.mark.parametrize("H,s_q", [(16, 1), (16, 2), (1, 1), (3, 4), (7, 2), (5, 3)])
+def test_narrow(kv_fmt, H, s_q):
+    """The swap-AB kernel for H * s_q <= 32 rows (32 rows over tile rows: not taken)."""
+    q = torch.empty(1, s_q, H, DV + DR, device="cuda")
+    if not dn.narrow_rows(q, torch.empty(1, 1, 1, dtype=quant.storage_dtype(kv_fmt, torch.bfloat16))):
+        assert kv_fmt == "fp8_tile" and H * s_q > 16
+        return
+    check([0, s_q, 1, 700, 4099, 2048, 31, 33, 65], s_q, H, seed=H * 7 + s_q, kv_fmt=kv_fmt,
+          kv_scale=0.5 if kv_fmt == "fp8" else 1.0, narrow=True)
+
+
+@pytest.mark.parametrize("kv_fmt", ["plain", "fp8", "fp8_tile"])
+def test_narrow_splits_fp16_page128_non_causal(kv_fmt):
+    check([5, 130, 1000, 20000], 1, 16, seed=8, kv_fmt=kv_fmt, num_splits=40, narrow=True)
+    check([3, 1500, 257], 2, 8, block_size=128, dtype=torch.float16, seed=2, kv_fmt=kv_fmt, causal=False,
+          narrow=True)
 
 
 def test_entry_point_and_graph_capture():

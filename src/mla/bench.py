@@ -88,7 +88,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "fp8", "fp8_tile"],
                    help="cache formats: bf16 rows (1152 B), fp8 per-tensor (576 B), fp8 tile rows (656 B)")
     p.add_argument("--variants", default="default",
-                   help="comma list of Triton schedules to time: default, or e.g. w4-n32-s3-x2 (see decode_variant)")
+                   help="comma list of Triton schedules to time: default, or e.g. w4-n32-s3-x2 (see decode_variant); "
+                        "gluon:seesaw and gluon:narrow time those Hopper kernels by name")
     p.add_argument("--no-peers", action="store_true", help="time only the Triton kernel")
     p.add_argument("--csv", default=None)
     p.add_argument("--json", default=None)
@@ -143,6 +144,20 @@ def _triton_provider(variant):
         def call(kv):
             return tdec.launch(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True, cfg)[0]
         return call, cfg
+    return make
+
+
+def _gluon_provider(name):
+    """One Hopper kernel by name, whatever the dispatch would pick: gluon:seesaw (query rows
+    on M, ``decode_gluon``) or gluon:narrow (keys on M, ``decode_gluon_narrow``)."""
+    from mla.ops.triton import decode_gluon, decode_gluon_narrow
+
+    launch = {"gluon:seesaw": decode_gluon.launch_gluon, "gluon:narrow": decode_gluon_narrow.launch_narrow}[name]
+
+    def make(c):
+        def call(kv):
+            return launch(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True)[0]
+        return call, name
     return make
 
 
@@ -240,12 +255,17 @@ def run_decode(args) -> int:
         return 1
     from mla.ops import reference
 
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in args.variants.split(",") if v and not v.startswith("gluon:")]
+    kernels = [v for v in args.variants.split(",") if v.startswith("gluon:")]
     from mla.ops.triton.decode import DecodeConfig
 
     for v in variants:
         decode_variant(v, DecodeConfig())  # unknown parts fail here, before any GPU work
-    providers = {"mla.ops": _op_provider(), **{f"triton:{v}": _triton_provider(v) for v in variants}}
+    for v in kernels:
+        if v not in ("gluon:seesaw", "gluon:narrow"):
+            raise ValueError(f"--variants: unknown kernel {v!r} (gluon:seesaw, gluon:narrow)")
+    providers = {"mla.ops": _op_provider(), **{f"triton:{v}": _triton_provider(v) for v in variants},
+                 **{v: _gluon_provider(v) for v in kernels}}
     if not args.no_peers:
         try:
             providers["flashinfer-fa3"] = _flashinfer_provider()
@@ -329,7 +349,7 @@ def decode_table(rows) -> str:
 
 
 def decode_summary(rows) -> str:
-    """One line per shape: the public op as dispatched, the fastest Triton variant, the peers."""
+    """One line per shape: the public op as dispatched, the fastest kernel timed by name, the peers."""
     head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'mla.ops':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
             f"{'naive':>8} {'op/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} {'roof':>5}")
     out = [head]
@@ -341,13 +361,13 @@ def decode_summary(rows) -> str:
     for k in keys:
         rs = [r for r in rows if _key(r) == k and "us" in r]
         by = {r["provider"]: r for r in rs}
-        tri = [r for r in rs if r["provider"].startswith("triton:")]
+        tri = [r for r in rs if r["provider"].startswith(("triton:", "gluon:"))]
         best = min(tri, key=lambda r: r["us"]) if tri else None
         d, f, n = by.get("mla.ops"), by.get("flashinfer-fa3"), by.get("naive-torch")
         fmt = lambda r: f"{r['us']:8.1f}" if r else f"{'-':>8}"  # noqa: E731
         rat = lambda r: f"{r['us'] / f['us']:.2f}" if r and f else "-"  # noqa: E731
         out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {k[4]:>8} {fmt(d)} {fmt(best)} "
-                   f"{(best['provider'][7:] if best else '-'):<15} {fmt(f)} {fmt(n)} {rat(d):>7} {rat(best):>8} "
+                   f"{(best['provider'] if best else '-'):<15} {fmt(f)} {fmt(n)} {rat(d):>7} {rat(best):>8} "
                    + (f"{best['TBps']:5.2f} {best['TFLOPs']:5.0f} {best['roof']:5.0%}" if best else ""))
     return "\n".join(out)
 

@@ -101,9 +101,10 @@ def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
 
 
 @gluon.jit
-def _widen(st8, ready, j, k_buf, kpe_buf, empty, n0, end, KV_FMT: gl.constexpr):
-    """FP8 tile j (staging stage j % NST) -> the compute dtype in k_buf / kpe_buf, rows >= end
-    zeroed (unused slots may hold NaN); then the stage goes back to the loader.
+def _widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
+    """FP8 tile j (staging stage j % NST) -> the compute dtype in k_buf / kpe_buf (free: the
+    caller waited), rows >= end zeroed (unused slots may hold NaN); the stage goes back to the
+    loader.
     KV_FMT 1: e4m3 rows (kv_scale is applied outside: in qk_scale and on the output), widened
     exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16)."""
     k8, pe8, sc8, free8 = st8
@@ -114,8 +115,6 @@ def _widen(st8, ready, j, k_buf, kpe_buf, empty, n0, end, KV_FMT: gl.constexpr):
     SC_L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
     st = j % NST
     ph = (j // NST) & 1
-    NBUF: gl.constexpr = 2
-    mbarrier.wait(empty.index(j % NBUF), ((j // NBUF) & 1) ^ 1)   # both warpgroups done with tile j - 2
     keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, CV_L)) < end)[:, None]
     if KV_FMT == 2:
         mbarrier.wait(ready.index(st * 9 + 8), ph)    # k_pe and the scales
@@ -225,8 +224,9 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         b1 = b0 + 1
         n0 = start + 2 * i * BN
         has1 = 2 * i + 1 < n_tiles
-        if KV_FMT != 0:
-            _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), empty, n0, end, KV_FMT)
+        if KV_FMT != 0:   # both warpgroups done with tile 2i - 2
+            mbarrier.wait(empty.index(b0), kph ^ 1)
+            _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
         s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L,
                 KV_FMT != 0)
         p, m0, a0, rs = _probs(s, n0, end, limit, m_i, qk_scale, BN, S_L)
@@ -286,7 +286,8 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         has1 = 2 * i + 1 < n_tiles
         if has1:
             if KV_FMT != 0:
-                _widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), empty, n1, end, KV_FMT)
+                mbarrier.wait(empty.index(b1), kph ^ 1)
+                _widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), n1, end, KV_FMT)
             s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L, LD_L,
                     KV_FMT != 0)
         else:
@@ -321,15 +322,11 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size, KV_FMT: gl.constexpr):
-    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
-     l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, v_scale, st8) = a
-    # the ring it fills: the K tiles themselves (bf16/fp16 cache) or the FP8 staging stages
-    if KV_FMT == 0:
-        ring, ring_pe, free = k_smem, kpe_smem, empty
-    else:
-        ring, ring_pe, ring_sc, free = st8
+def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
+            KV_FMT: gl.constexpr):
+    """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
+    once ``free`` says the slot's last tile was consumed): 9 boxes of 64 columns, one mbarrier
+    each (FP8 tile rows: 8 latent boxes, then k_pe with the scales on the ninth barrier)."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
     for j in range(n_tiles):
@@ -404,6 +401,7 @@ def _seesaw_kernel(
     mbarrier.init(l_bar.index(0), count=2)
     if KV_FMT == 0:
         st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
+        ring, ring_pe, ring_sc, free = st8              # the loader fills the K tiles themselves
     else:   # the FP8 staging ring: latent, k_pe, scales (tile rows), and the loader's "stage free"
         k8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 512], kv_desc.layout)
         if KV_FMT == 1:
@@ -416,6 +414,7 @@ def _seesaw_kernel(
         for i in gl.static_range(NLOAD):
             mbarrier.init(free8.index(i), count=1)
         st8 = (k8, pe8, sc8, free8)
+        ring, ring_pe, ring_sc, free = st8
 
     seqlen = gl.load(SEQLENS + b)
     per_split = (seqlen + num_splits - 1) // num_splits
@@ -447,7 +446,8 @@ def _seesaw_kernel(
     gl.warp_specialize([
         (_wg0, (args, CAUSAL, KV_FMT)),
         (_wg1, (args, CAUSAL, KV_FMT)),
-        (_loader, (args, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size, KV_FMT)),
+        (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
+                   block_size, KV_FMT)),
     ], [4, 1], [240, 24])
 
 

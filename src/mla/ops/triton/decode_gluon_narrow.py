@@ -1,0 +1,288 @@
+"""Hopper decode for few query rows (H * s_q <= 32, e.g. 16 heads per GPU under TP 8): the
+keys are the MMAs' M dimension ("swap AB").
+
+``decode_gluon``'s kernel puts the query rows on M, which a warpgroup MMA fixes at 64: with 16
+rows three quarters of its tensor work is padding, and at 16 heads that kernel is as much
+compute-bound as memory-bound (26 keys/us per SM at 16 and at 128 heads on the H200,
+docs/PERF.md), so an FP8 cache (half the bytes) cannot make it faster. Here each warpgroup
+computes, for a 64-key tile,
+
+    S^T [64 keys, R] = K [64, 576] . Q^T [576, R]          (A: the K tile, B: Q, both in shared)
+    O^T [512, R]    += V^T [512, 64] . P^T [64, R]         (A: the K tile read transposed, B: P^T)
+
+with R = 16 or 32 query rows, a quarter or half of the padded work. The softmax runs down the
+columns of S^T (per query row, across the keys of the tile).
+
+Grid (splits, B). Partitions: two warpgroups that take alternate tiles, each with its own
+online softmax and its own O^T (written as two partial results of the split, merged with the
+other splits by ``decode.combine``), and a 1-warp TMA loader:
+    bf16/fp16 rows: a ring of two 64-key tiles, one per warpgroup, 9 boxes per tile;
+    FP8 rows:       a staging ring of 32-key FP8 tiles that each warpgroup widens into its own
+                    64-key tile (``decode_gluon._widen``) before its S^T.
+Masking as in ``decode_gluon``: tail rows of a tile zeroed in shared memory (0 * NaN), keys past
+each query's causal limit at -inf.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .decode import combine
+from .decode_gluon import _D, _DV, _FORMATS, _LOG2E, _descriptors, _loader, _widen, default_splits, supports
+
+__all__ = ["launch_narrow", "narrow_rows"]
+
+_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(R):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16])
+
+
+@gluon.jit
+def _zero_tail(k_buf, kpe_buf, n0, end):
+    """Rows >= end of a loaded 64-key tile -> 0 (they may hold NaN; 0 * NaN in P^T V would leak)."""
+    rl = gl.arange(0, 64, layout=gl.SliceLayout(1, _LD_L))
+    keep = (n0 + rl < end)[:, None]
+    for c in gl.static_range(8):
+        part = k_buf.slice(c * 64, 64, dim=1)
+        x = part.load(_LD_L)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    x = kpe_buf.load(_LD_L)
+    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, l_base,
+               seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale,
+               CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
+    """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
+    R: gl.constexpr = q_smem.shape[0]
+    NBUF: gl.constexpr = k_smem.shape[0]
+    A_L: gl.constexpr = _acc_layout(R)
+    COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
+    dtype: gl.constexpr = q_smem.dtype
+    r = gl.arange(0, R, layout=COL_L)
+    if CAUSAL:
+        limit = seqlen - S_Q + r // H + 1               # query i sees keys < limit
+    else:
+        limit = gl.full([R], 0, gl.int32, COL_L) + seqlen
+    m_i = gl.full([R], float("-inf"), gl.float32, COL_L)
+    l_i = gl.full([R], 0.0, gl.float32, COL_L)
+    acc = gl.zeros([512, R], gl.float32, A_L)
+    k_buf = k_smem.index(WG)
+    kpe_buf = kpe_smem.index(WG)
+    for t in range((n_tiles - WG + 1) // 2):
+        j = 2 * t + WG
+        n0 = start + j * 64
+        ph = (j // NBUF) & 1
+        if KV_FMT == 0:
+            if n0 + 64 > end:   # tail tile: wait for all of it, zero rows >= end
+                for c in gl.static_range(9):
+                    mbarrier.wait(ready.index(WG * 9 + c), ph)
+                _zero_tail(k_buf, kpe_buf, n0, end)
+                fence_async_shared()
+                gl.thread_barrier()
+        else:                   # widen the two 32-key FP8 halves (an absent second half -> zeros)
+            _widen(st8, ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, end, KV_FMT)
+            if n0 + 32 < end:
+                _widen(st8, ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
+                       end, KV_FMT)
+            else:
+                _zero_tail(k_buf, kpe_buf, n0, end)
+                fence_async_shared()
+                gl.thread_barrier()
+        s = gl.zeros([64, R], gl.float32, A_L)
+        for c in gl.static_range(8):
+            if KV_FMT == 0:
+                mbarrier.wait(ready.index(WG * 9 + c), ph)
+            s = warpgroup_mma(k_buf.slice(c * 64, 64, dim=1), q_smem.slice(c * 64, 64, dim=1).permute((1, 0)), s,
+                              use_acc=c > 0, is_async=True)
+        if KV_FMT == 0:
+            mbarrier.wait(ready.index(WG * 9 + 8), ph)
+        s = warpgroup_mma(kpe_buf, q_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_L))
+        visible = (n < end)[:, None] & (n[:, None] < limit[None, :])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.index(WG).store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * alpha[None, :]
+        acc = warpgroup_mma(k_buf.slice(0, 512, dim=1).permute((1, 0)), p_smem.index(WG), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if KV_FMT == 0:
+            mbarrier.arrive(free.index(WG), count=1)
+    # this warpgroup's partial result (its own split slot): O [rows, 512] from O^T, and its lse
+    empty = l_i == 0.0
+    inv = v_scale / gl.where(empty, 1.0, l_i)
+    out = acc * inv[None, :]
+    d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
+    row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
+    gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=(r < H * S_Q)[None, :] & (d < 512)[:, None])
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
+
+
+@gluon.jit
+def _wg_even(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
+     start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    _narrow_wg(0, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, l_base, seqlen, start, end,
+               n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
+
+
+@gluon.jit
+def _wg_odd(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
+     start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    _narrow_wg(1, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base + stride_os, l_base + stride_ls,
+               seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
+
+
+@gluon.jit
+def _narrow_kernel(
+    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
+    stride_qb, stride_qi, stride_qh,
+    stride_bt,
+    stride_os, stride_ob, stride_oi, stride_oh,
+    stride_ls, stride_lb, stride_li,
+    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    R: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, NST: gl.constexpr, dtype: gl.constexpr,
+    SM_L: gl.constexpr, P_SM: gl.constexpr, num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4)
+    pid_s = gl.program_id(0)
+    b = gl.program_id(1)
+    q_smem = gl.allocate_shared_memory(dtype, [R, 512], SM_L)
+    qpe_smem = gl.allocate_shared_memory(dtype, [R, 64], SM_L)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SM_L)      # one 64-key tile per warpgroup
+    kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
+    p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
+    seqlen = gl.load(SEQLENS + b)
+    per_split = (seqlen + num_splits - 1) // num_splits
+    chunk = (per_split + 63) // 64 * 64
+    start = pid_s * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    n_tiles = gl.maximum(end - start + 63, 0) // 64
+    bt_row = b.to(gl.int64) * stride_bt
+    if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
+        ready = gl.allocate_shared_memory(gl.int64, [2 * 9, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * 9):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(free.index(i), count=1)
+        st8 = (k_smem, kpe_smem, k_smem, free)            # not used
+        ring, ring_pe, ring_sc = k_smem, kpe_smem, k_smem
+        n_loads = n_tiles
+    else:             # FP8 staging ring of 32-key tiles; each warpgroup widens two into its tile
+        k8 = gl.allocate_shared_memory(kv_desc.dtype, [NST, 32, 512], kv_desc.layout)
+        if KV_FMT == 1:
+            pe8 = gl.allocate_shared_memory(kv_desc.dtype, [NST, 32, 64], kv_desc.layout)
+            sc8 = k8                                       # not used
+        else:
+            pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NST, 32, 64], pe_desc.layout)
+            sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NST, 32, 4], sc_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NST * 9, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NST * 9):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(NST):
+            mbarrier.init(free.index(i), count=1)
+        st8 = (k8, pe8, sc8, free)
+        ring, ring_pe, ring_sc = k8, pe8, sc8
+        n_loads = gl.maximum(end - start + 31, 0) // 32
+
+    # the query rows (zero past H * s_q) -> shared memory, the B operand of S^T
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qrow = Q + b.to(gl.int64) * stride_qb + (rows // H) * stride_qi + (rows % H) * stride_qh
+    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    for c in gl.static_range(8):
+        q_smem.slice(c * 64, 64, dim=1).store(
+            gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
+    qpe_smem.store(gl.load(qrow[:, None] + (512 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # split pid_s writes partial slots 2 pid_s (even tiles) and 2 pid_s + 1 (odd tiles)
+    o_base = (2 * pid_s).to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = (2 * pid_s).to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
+            start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
+    gl.warp_specialize([
+        (_wg_even, (args, CAUSAL, KV_FMT)),
+        (_wg_odd, (args, CAUSAL, KV_FMT)),
+        (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
+                   block_size, KV_FMT)),
+    ], [4, 1], [232, 24])
+
+
+def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    """The padded row count R (16 or 32) this kernel uses for q, or 0 when it does not take
+    them: H * s_q > 32, or 32 rows over FP8 tile rows (two staging stages would not fit in
+    shared memory beside Q and P^T)."""
+    rows = q.shape[1] * q.shape[2]
+    R = 16 if rows <= 16 else 32 if rows <= 32 else 0
+    return 0 if (R == 32 and kv_cache.dtype == torch.uint8) else R
+
+
+def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
+                  num_splits: int | None = None, kv_scale: float = 1.0):
+    """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) for H * s_q <= 32 on
+    the inputs ``decode_gluon.supports`` accepts. No host synchronisation."""
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache.squeeze(2)
+    B, s_q, H, d = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    R = narrow_rows(q, kv_cache)
+    if head_dim_v != _DV or d != _D or not R or not supports(q, kv_cache, block_size):
+        raise ValueError("launch_narrow: unsupported shapes/dtypes/layout (see narrow_rows() and supports())")
+    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    if B == 0 or s_q == 0 or H == 0:
+        return out, lse
+    if num_splits is None:
+        num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
+    S = num_splits
+    # each split leaves two partial results (one per warpgroup) for the combine
+    o_part = torch.empty(2 * S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(2 * S, B, s_q, H, dtype=torch.float32, device=q.device)
+    gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
+    kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
+    v_scale = float(kv_scale) if fmt == 1 else 1.0
+    # FP8 staging stages of 32 keys: as many as fit in 227 KB next to Q, two 64-key tiles and P^T
+    nst = 3 if (fmt == 1 and R == 16) else 2
+    _narrow_kernel[(S, B)](
+        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0), l_part.stride(1), l_part.stride(2),
+        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
+        SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
+        P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt),
+        num_warps=4, maxnreg=168,
+    )
+    combine(o_part, l_part, out, lse)
+    return out, lse
