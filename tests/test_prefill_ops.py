@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from mla import quant
 from mla.ops import gather_latent, merge_attention, prefill_attention, reference, rope_append
 
 CUDA = torch.cuda.is_available()
@@ -168,6 +169,56 @@ def test_rope_append_cpu(dtype, interleave, heads):
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(cache.view(-1, r + dr)[untouched], before.view(-1, r + dr)[untouched])
+
+
+def _fp8_cache(nb, bs, r, dr, fmt, device="cpu"):
+    """An FP8 cache full of NaN rows (tile rows: all bytes 0xFF, NaN latents and scales)."""
+    if fmt == "fp8":
+        return torch.full((nb, bs, r + dr), float("nan"), device=device).to(torch.float8_e4m3fn)
+    return torch.full((nb, bs, quant.row_width(fmt, r, dr)), 255, dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize("fmt,kv_scale", [("fp8", 0.5), ("fp8", 3.0), ("fp8_tile", 1.0)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_append_fp8_cpu(fmt, kv_scale, interleave):
+    """The kernel quantizes rows as mla.quant.quantize_rows does, byte for byte."""
+    T, H, dn, dr, r, nb, bs = 6, 3, 8, 16, 256, 5, 4
+    q, kv_a, cos, sin = _rope_inputs(T, H, dn, dr, r, torch.float32)
+    kv_a[0, :128] *= 1000.0     # a tile that clamps at +-448 under the per-tensor scale
+    kv_a[1, 128:r] = 0.0        # an all-zero tile (scale clamped to 1e-12 / 448)
+    slots = torch.randperm(nb * bs)[:T]
+    slots[2] = -1               # not written
+    cache = _fp8_cache(nb, bs, r, dr, fmt)
+    q_ref, kv_ref, cache_ref = q.clone(), kv_a.clone(), cache.clone()
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, interleave, kv_scale=kv_scale,
+                backend="triton")
+    reference.rope_append(q_ref[..., dn:], kv_ref[:, r:], kv_ref[:, :r], cos, sin, cache_ref, slots, interleave,
+                          kv_scale)
+    assert torch.equal(q, q_ref) and torch.equal(kv_a, kv_ref)
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_tile"])
+def test_rope_append_fp8_gpu(fmt):
+    """DeepSeek shapes in bf16: latent bytes and tile scales exact; k_pe (rotated with FMA on
+    the GPU, so one bf16 ulp may differ) within one e4m3 step (per-tensor) or one bf16 ulp."""
+    T, H, dn, dr, r, bs = 3000, 128, 128, 64, 512, 64
+    nb = (T + bs - 1) // bs + 8
+    q, kv_a, cos, sin = _rope_inputs(T, H, dn, dr, r, torch.bfloat16, "cuda")
+    slots = torch.randperm(nb * bs, device="cuda")[:T]
+    cache = _fp8_cache(nb, bs, r, dr, fmt, "cuda")
+    q_ref, kv_ref, cache_ref = q.clone(), kv_a.clone(), cache.clone()
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, True, kv_scale=0.25)
+    reference.rope_append(q_ref[..., dn:], kv_ref[:, r:], kv_ref[:, :r], cos, sin, cache_ref, slots, True, 0.25)
+    latent = r if fmt == "fp8" else r + 4 * (r // 128)
+    flat = cache.view(torch.uint8).view(-1, cache.shape[-1])
+    flat_ref = cache_ref.view(torch.uint8).view(-1, cache.shape[-1])
+    assert torch.equal(flat[:, :latent], flat_ref[:, :latent])
+    got = quant.dequantize_rows(flat[slots], fmt, r, kv_scale=0.25)[:, r:]
+    want = quant.dequantize_rows(flat_ref[slots], fmt, r, kv_scale=0.25)[:, r:]
+    step = 2.0 ** -3 if fmt == "fp8" else 2.0 ** -7
+    assert ((got - want).abs() <= step * want.abs() + 2.0 ** -9 * 0.25).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

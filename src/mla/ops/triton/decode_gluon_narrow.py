@@ -63,7 +63,7 @@ def _zero_tail(k_buf, kpe_buf, n0, end):
 
 
 @gluon.jit
-def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, l_base,
+def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, l_base,
                seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale,
                CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
@@ -94,6 +94,10 @@ def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, re
                 fence_async_shared()
                 gl.thread_barrier()
         else:                   # widen the two 32-key FP8 halves (an absent second half -> zeros)
+            # in turn with the other warpgroup (tile j - 1 first): the staging ring is consumed in
+            # order, so a stage's ready barrier is never waited on a phase ahead of its last landing
+            if j > 0:
+                mbarrier.wait(turn.index(1 - WG), ((j - 1) // 2) & 1)
             _widen(st8, ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, end, KV_FMT)
             if n0 + 32 < end:
                 _widen(st8, ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
@@ -102,6 +106,7 @@ def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, re
                 _zero_tail(k_buf, kpe_buf, n0, end)
                 fence_async_shared()
                 gl.thread_barrier()
+            mbarrier.arrive(turn.index(WG), count=1)
         s = gl.zeros([64, R], gl.float32, A_L)
         for c in gl.static_range(8):
             if KV_FMT == 0:
@@ -142,17 +147,17 @@ def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, re
 
 @gluon.jit
 def _wg_even(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
-     start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    _narrow_wg(0, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, l_base, seqlen, start, end,
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
+     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    _narrow_wg(0, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, l_base, seqlen, start, end,
                n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
 
 
 @gluon.jit
 def _wg_odd(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
-     start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    _narrow_wg(1, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base + stride_os, l_base + stride_ls,
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
+     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    _narrow_wg(1, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base + stride_os, l_base + stride_ls,
                seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
 
 
@@ -182,6 +187,9 @@ def _narrow_kernel(
     end = gl.minimum(start + chunk, seqlen)
     n_tiles = gl.maximum(end - start + 63, 0) // 64
     bt_row = b.to(gl.int64) * stride_bt
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
         ready = gl.allocate_shared_memory(gl.int64, [2 * 9, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -226,8 +234,8 @@ def _narrow_kernel(
     # split pid_s writes partial slots 2 pid_s (even tiles) and 2 pid_s + 1 (odd tiles)
     o_base = (2 * pid_s).to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = (2 * pid_s).to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls, seqlen,
-            start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
+    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
+            stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
     gl.warp_specialize([
         (_wg_even, (args, CAUSAL, KV_FMT)),
         (_wg_odd, (args, CAUSAL, KV_FMT)),

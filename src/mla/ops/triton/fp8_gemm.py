@@ -51,7 +51,14 @@ def _round_to_e4m3(v):
     inv_ulp = ((127 - e) << 23).to(tl.float32, bitcast=True)
     t = v * inv_ulp                                                   # exact: powers of two
     t = (t + 12582912.0) - 12582912.0                                 # + 1.5 * 2^23: rint, ties to even
-    return t * ulp
+    return tl.where(t == 0.0, v * 0.0, t * ulp)                       # keeps the sign of a zero
+
+
+@jit
+def _round_to_bf16(v):
+    """float32 v -> the nearest bfloat16 value (ties to even), as float32 (finite v)."""
+    b = v.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @jit

@@ -4,7 +4,8 @@ For every token t (one program per token and block of heads):
 
     q_pe[t, h]  <- rope(q_pe[t, h])            in place, every head h
     k_pe[t]     <- rope(k_pe[t])               in place (first head block only)
-    kv_cache[slot_mapping[t]] <- [c_kv[t] | k_pe[t]]   (r + dr values, cast to the cache dtype)
+    kv_cache[slot_mapping[t]] <- [c_kv[t] | k_pe[t]]   (r + dr values, cast to the cache dtype,
+                                                        or quantized to an FP8 row, mla.quant)
 
 RoPE pairs (x1, x2) are (2i, 2i + 1) (interleaved) or (i, i + dr/2) (neox); the rotation
 is (x1 c - x2 s, x2 c + x1 s) in float32 with cos, sin [T, dr/2], cast back to the input
@@ -16,10 +17,12 @@ other sizes fall back to the reference).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from . import jit
+from .fp8_gemm import _round_to_bf16, _round_to_e4m3
 
 __all__ = ["rope_append"]
 
@@ -41,12 +44,39 @@ def _rotate(x, c, s, ROWS: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.cons
 
 
 @jit
+def _to_cache(x, kv_scale, out_ty: tl.constexpr, KV_FMT: tl.constexpr):
+    """Values in the cache's storage: a cast (plain rows) or x / kv_scale clamped to +-448 and
+    rounded to e4m3 (FP8 rows), as ``mla.quant.quantize_rows`` does (correctly rounded division;
+    rounded in float32 first, so the cast is exact: Triton 3.6's interpreter rounds some casts
+    to e4m3 and bf16 down)."""
+    if KV_FMT == 1:
+        return _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)).to(tl.float8e4nv)
+    return x.to(out_ty)
+
+
+@jit
+def _store_tile_row(dst, c_ptr, stride_cd, k, R, d):
+    """One FP8 tile row (bytes, unit stride): per 128 latent values e4m3 of value / scale with
+    scale = max(amax, 1e-12) / 448 (float32, after the R latent bytes), then k_pe as bfloat16."""
+    j = tl.arange(0, 128)
+    for t0 in range(0, R, 128):
+        x = tl.load(c_ptr + (t0 + j) * stride_cd).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)
+        q8 = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)).to(tl.float8e4nv)
+        tl.store(dst + t0 + j, q8.to(tl.uint8, bitcast=True))
+        tl.store((dst + R).to(tl.pointer_type(tl.float32)) + t0 // 128, scale)
+    k16 = _round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
+    tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
+
+
+@jit
 def _rope_append_kernel(
     QPE, KPE, CKV, COS, SIN, KV, SLOTS,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kd, stride_ct, stride_cd,
     stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
-    H, R, block_size,
+    H, R, block_size, kv_scale,
     HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -69,27 +99,32 @@ def _rope_append_kernel(
         slot = tl.load(SLOTS + t)
         if slot >= 0:
             dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
-            out_ty = KV.dtype.element_ty
-            tl.store(dst + (R + d[None, :]) * stride_kvd, k.to(out_ty))
-            for r0 in range(0, R, BLOCK_R):
-                r = r0 + tl.arange(0, BLOCK_R)
-                c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
-                tl.store(dst + r * stride_kvd, c_kv.to(out_ty), mask=r < R)
+            if KV_FMT == 2:
+                _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, k, R, d)
+            else:
+                tl.store(dst + (R + d[None, :]) * stride_kvd, _to_cache(k, kv_scale, KV.dtype.element_ty, KV_FMT))
+                for r0 in range(0, R, BLOCK_R):
+                    r = r0 + tl.arange(0, BLOCK_R)
+                    c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
+                    tl.store(dst + r * stride_kvd, _to_cache(c_kv, kv_scale, KV.dtype.element_ty, KV_FMT), mask=r < R)
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
     """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] float32 and write
     [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks, block_size, r + dr] at the
-    flat slots slot_mapping [T] int64. Returns None (see ``mla.ops.reference.rope_append``)."""
+    flat slots slot_mapping [T] int64, quantized for FP8 rows (float8_e4m3fn with kv_scale, or
+    uint8 tile rows). Returns None (see ``mla.ops.reference.rope_append``)."""
     T, H, dr = q_pe.shape
     r = c_kv.shape[-1]
     if T == 0:
         return None
     half = dr // 2
-    if dr < 2 or dr & (dr - 1):   # the kernel splits whole rows in two: dr a power of two
+    kv_fmt = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
+    # the kernel splits whole rows in two (dr a power of two); tile rows: whole 128-value tiles
+    if dr < 2 or dr & (dr - 1) or (kv_fmt == 2 and (r % 128 or kv_cache.stride(-1) != 1)):
         from ..reference import rope_append as reference_rope_append
 
-        return reference_rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
+        return reference_rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
     block_h = min(32, triton.next_power_of_2(max(H, 1)))
     grid = (T, triton.cdiv(H, block_h) if H > 0 else 1)
     _rope_append_kernel[grid](
@@ -97,8 +132,11 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave):
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        H, r, kv_cache.shape[1],
+        H, r, kv_cache.shape[1], float(kv_scale),
         HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
-        BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), num_warps=4,
+        BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=kv_fmt, num_warps=4,
     )
     return None
+
+
+rope_append.cache_formats = ("plain", "fp8", "fp8_tile")
