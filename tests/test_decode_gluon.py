@@ -135,6 +135,18 @@ def test_narrow_splits_fp16_page128_non_causal(kv_fmt):
           narrow=True)
 
 
+def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
+    import mla
+    from mla.ops.triton.decode import use_narrow
+    g = torch.Generator().manual_seed(4)
+    lens = torch.randint(1, 3000, (32,), generator=g).tolist()
+    q, kv, table, seqlens = make_case(lens, 1, 16, 64, torch.bfloat16, seed=4)
+    assert use_narrow(q, kv) and not use_narrow(q[:31], kv) and not use_narrow(q.expand(32, 2, 16, DV + DR), kv)
+    out, lse = mla.ops.mla_decode(q, kv, table, seqlens, DV, 0.1)
+    ref_out, ref_lse = dn.launch_narrow(q, kv, table, seqlens, DV, 0.1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_entry_point_and_graph_capture():
     q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 64, torch.bfloat16, seed=9)
     scale = 1 / math.sqrt(576)

@@ -296,6 +296,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     from ``block_table.shape[1] * block_size``, the longest length the table can hold.
     """
     if use_gluon(q, kv_cache, head_dim_v):
+        if use_narrow(q, kv_cache):
+            from .decode_gluon_narrow import launch_narrow
+            return launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                 kv_scale=kv_scale)
         from .decode_gluon import mla_decode_gluon
         return mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale)
     max_len = block_table.shape[1] * kv_cache.shape[1]
@@ -314,6 +318,15 @@ def use_gluon(q, kv_cache, head_dim_v) -> bool:
         return False
     from .decode_gluon import supports
     return supports(q, kv_cache)
+
+
+def use_narrow(q, kv_cache) -> bool:
+    """Between the two Hopper kernels (given ``use_gluon``): the keys-on-M kernel
+    (``decode_gluon_narrow``) for at most 16 query rows (H * s_q) and a batch of 32 or more;
+    the query-rows-on-M kernel otherwise. On the H200 at 16 heads it took 0.83-0.99x the other's
+    time at batch 32 and 128 (bf16: 4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md);
+    32 rows, batches 2-31: not measured, left to the other kernel."""
+    return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
 
 
 mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")

@@ -101,39 +101,57 @@ def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
 
 
 @gluon.jit
+def _widen_part(x, dst, keep, full, sc, g: gl.constexpr, KV_FMT: gl.constexpr):
+    """128 columns of FP8 values (registers) -> dst in its dtype, times their scales (tile
+    rows); rows not kept -> 0 unless the tile is full (a select per value costs more than the
+    conversion)."""
+    if KV_FMT == 2:
+        col = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))[None, :] == g, sc, 0.0),
+                     axis=1)
+        y = (x.to(gl.float32) * col[:, None]).to(dst.dtype)
+    else:
+        y = x.to(dst.dtype)
+    if full:
+        dst.store(y)
+    else:
+        dst.store(gl.where(keep, y, gl.zeros_like(y)))
+
+
+@gluon.jit
 def _widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
     """FP8 tile j (staging stage j % NST) -> the compute dtype in k_buf / kpe_buf (free: the
     caller waited), rows >= end zeroed (unused slots may hold NaN); the stage goes back to the
     loader.
     KV_FMT 1: e4m3 rows (kv_scale is applied outside: in qk_scale and on the output), widened
-    exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16)."""
+    exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16).
+    All of the tile is read into registers before anything is written: the compiler puts a
+    barrier between shared-memory reads and writes it cannot tell apart, and one per 64
+    columns (read, barrier, write, barrier, ...) made the widening 2-3x slower than the loads."""
     k8, pe8, sc8, free8 = st8
     BN: gl.constexpr = k_buf.shape[0]
     NST: gl.constexpr = k8.shape[0]
-    dtype: gl.constexpr = k_buf.dtype
-    CV_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # 16 bytes of FP8 a thread
-    SC_L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+    WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # 16 bytes of FP8 a thread
     st = j % NST
     ph = (j // NST) & 1
-    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, CV_L)) < end)[:, None]
+    mbarrier.wait(ready.index(st * 9), ph)              # the whole tile (see _loader)
+    src = k8.index(st)
+    x0 = src.slice(0, 128, dim=1).load(WL)
+    x1 = src.slice(128, 128, dim=1).load(WL)
+    x2 = src.slice(256, 128, dim=1).load(WL)
+    x3 = src.slice(384, 128, dim=1).load(WL)
+    pe = pe8.index(st).load(WL)
     if KV_FMT == 2:
-        mbarrier.wait(ready.index(st * 9 + 8), ph)    # k_pe and the scales
-        sc = sc8.index(st).load(SC_L)
-        g4 = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))[None, :]
-    for c in gl.static_range(8):
-        mbarrier.wait(ready.index(st * 9 + c), ph)
-        x = k8.index(st).slice(c * 64, 64, dim=1).load(CV_L)
-        if KV_FMT == 2:
-            col = gl.sum(gl.where(g4 == c // 2, sc, 0.0), axis=1)
-            y = x.to(gl.float32) * gl.convert_layout(col, gl.SliceLayout(1, CV_L))[:, None]
-        else:
-            y = x
-        y = y.to(dtype)
-        k_buf.slice(c * 64, 64, dim=1).store(gl.where(keep, y, gl.zeros_like(y)))
-    if KV_FMT == 1:
-        mbarrier.wait(ready.index(st * 9 + 8), ph)
-    x = pe8.index(st).load(CV_L).to(dtype)
-    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+        sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
+    else:
+        sc = 0.0
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
+    full = n0 + BN <= end
+    _widen_part(x0, k_buf.slice(0, 128, dim=1), keep, full, sc, 0, KV_FMT)
+    _widen_part(x1, k_buf.slice(128, 128, dim=1), keep, full, sc, 1, KV_FMT)
+    _widen_part(x2, k_buf.slice(256, 128, dim=1), keep, full, sc, 2, KV_FMT)
+    _widen_part(x3, k_buf.slice(384, 128, dim=1), keep, full, sc, 3, KV_FMT)
+    ype = pe.to(kpe_buf.dtype)
+    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(free8.index(st), count=1)
@@ -325,8 +343,10 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
 def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
             KV_FMT: gl.constexpr):
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
-    once ``free`` says the slot's last tile was consumed): 9 boxes of 64 columns, one mbarrier
-    each (FP8 tile rows: 8 latent boxes, then k_pe with the scales on the ninth barrier)."""
+    once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
+    dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
+    rows: one mbarrier for the whole tile (ready[9 slot]), as the widening reads all of it (every
+    wait costs the warpgroup a barrier); tile rows: 8 latent boxes, k_pe and the scales."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
     for j in range(n_tiles):
@@ -335,19 +355,28 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
         n0 = start + j * BN
         blk = gl.load(BT + bt_row + n0 // block_size)
         row0 = blk * block_size + n0 % block_size
-        bar = ready.index(buf * 9 + 8)
-        if KV_FMT == 2:   # k_pe (bf16) and the scales (float32) first: the widening waits for them first
-            mbarrier.expect(bar, pe_desc.block_type.nbytes + sc_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
-            tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
-        for c in gl.static_range(8):
-            bar = ready.index(buf * 9 + c)
-            mbarrier.expect(bar, kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
-        if KV_FMT != 2:
+        if KV_FMT == 0:
+            for c in gl.static_range(8):
+                bar = ready.index(buf * 9 + c)
+                mbarrier.expect(bar, kv_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
+                                                ring.index(buf).slice(c * 64, 64, dim=1))
             bar = ready.index(buf * 9 + 8)
             mbarrier.expect(bar, kv_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+        else:
+            bar = ready.index(buf * 9)
+            if KV_FMT == 1:
+                mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+            else:
+                mbarrier.expect(bar, 8 * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes
+                                + sc_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
+                tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
+            for c in gl.static_range(8):
+                tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
+                                                ring.index(buf).slice(c * 64, 64, dim=1))
 
 
 @gluon.jit
