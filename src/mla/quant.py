@@ -41,13 +41,17 @@ def storage_dtype(fmt: str, dtype: torch.dtype) -> torch.dtype:
 
 def quantize_rows(rows: torch.Tensor, fmt: str, r: int, kv_scale: float = 1.0) -> torch.Tensor:
     """Latent rows [N, r + dr] (any float dtype) -> stored rows in the format."""
+    # divisions by tensors: PyTorch on CUDA multiplies by the reciprocal of a scalar divisor, which
+    # is not correctly rounded; the kernels (mla.ops.rope_append) divide exactly, like the CPU
     if fmt == "fp8":
-        return (rows.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        x = rows.float()
+        return (x / torch.full_like(x, kv_scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     if fmt != "fp8_tile":
         raise ValueError(f"fmt: expected 'fp8' or 'fp8_tile', got {fmt!r}")
     N = rows.shape[0]
     tiles = rows[:, :r].float().view(N, r // TILE, TILE)
-    scales = tiles.abs().amax(-1).clamp_min(1e-12) / FP8_MAX           # [N, r/128] float32
+    amax = tiles.abs().amax(-1).clamp_min(1e-12)
+    scales = amax / torch.full_like(amax, FP8_MAX)                      # [N, r/128] float32
     q = (tiles / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, r)
     return torch.cat((q.view(torch.uint8), scales.contiguous().view(torch.uint8).view(N, -1),
                       rows[:, r:].to(torch.bfloat16).contiguous().view(torch.uint8).view(N, -1)), -1)
