@@ -1,10 +1,12 @@
 """Hopper (sm90) hot path of the absorbed MLA decode in Triton's Gluon dialect.
 
 Same contract as ``mla.ops.reference.mla_decode`` for the shapes ``supports`` accepts:
-CUDA tensors on a compute-capability-9.x device, bf16/fp16 query and cache, d = 576 with
-head_dim_v = 512, block_size a multiple of 64 and cache rows laid out as one 2-D
-``[num_blocks * block_size, 576]`` matrix (unit column stride). Anything else: use
-``mla.ops.triton.decode.mla_decode`` (the portable kernel).
+CUDA tensors on a compute-capability-9.x device, bf16/fp16 queries over a cache of rows in
+their dtype, of FP8 rows (float8_e4m3fn, per-tensor kv_scale) or of FP8 tile rows (uint8,
+``mla.quant``); d = 576 with head_dim_v = 512, block_size a multiple of 64 and cache rows laid
+out as one 2-D matrix (unit column stride). Anything else: use
+``mla.ops.triton.decode.mla_decode`` (the portable kernel). ``decode_gluon_narrow`` is the
+other Hopper kernel (few query rows); ``decode.use_narrow`` chooses.
 
 Grid (ceil(H * s_q / 64), splits, B): 64 query rows m = i * H + h (zero-padded) against the
 keys of one split of sequence b (splits planned on the host from shapes only, so a decode
@@ -34,6 +36,11 @@ half the work and the GEMMs, the softmax and the loads ran one after another; th
 
 Masking: tail rows zeroed in shared memory by the tile's owner before
 its QK^T (NaN there would survive 0 * NaN in P V), causal limits per query row.
+
+FP8 rows: the loader fills a ring of FP8 staging tiles (32 keys; one mbarrier per tile) and
+the owner of each tile widens it (``_widen``: e4m3 -> fp16 exactly, kv_scale folded into the
+softmax scale and the output; tile rows: times each row's float32 scale per 128 values, into
+q's dtype) into its K buffer, zeroing tail rows; the rest is the same.
 """
 from __future__ import annotations
 
