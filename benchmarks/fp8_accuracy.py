@@ -15,7 +15,7 @@ import torch
 
 import mla
 from mla.demo import random_state_dict
-from mla.weights import quantize_block_fp8
+from mla.weights import quantize_checkpoint_fp8
 
 
 def run(cfg, sd, dtype, cache_dtype, device, steps, scaling="tensor"):
@@ -40,12 +40,7 @@ def main(argv=None):
     sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
     steps = [256, 1, 1, 4, 1]
     ref = run(cfg, sd, torch.float32, torch.float32, args.device, steps)
-    sd8 = {}
-    for k, v in sd.items():
-        if v.dim() == 2:
-            sd8[k], sd8[k.replace("weight", "weight_scale_inv")] = quantize_block_fp8(v)
-        else:
-            sd8[k] = v
+    sd8 = quantize_checkpoint_fp8(sd)
     rows = [("bf16 layer, bf16 cache", run(cfg, sd, torch.bfloat16, torch.bfloat16, args.device, steps)),
             ("bf16 layer, fp8 cache (per-tensor)", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps)),
             ("bf16 layer, fp8 cache (tile)", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps, "tile")),

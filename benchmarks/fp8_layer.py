@@ -18,7 +18,7 @@ import torch
 
 import mla
 from mla.demo import random_state_dict
-from mla.weights import quantize_block_fp8
+from mla.weights import quantize_checkpoint_fp8
 
 
 def _time(fn, iters=20):
@@ -77,12 +77,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = mla.MLAConfig.preset("deepseek-v3").replace(num_heads=args.heads)
     sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
-    sd8 = {}
-    for k, v in sd.items():
-        if v.dim() == 2:
-            sd8[k], sd8[k.replace("weight", "weight_scale_inv")] = quantize_block_fp8(v)
-        else:
-            sd8[k] = v
+    sd8 = quantize_checkpoint_fp8(sd)
     layers = {}
     for name, fp8w in (("bf16 weights", "never"), ("fp8 weights", "auto")):
         layers[name] = mla.MLA(cfg, dtype=torch.bfloat16, device="cuda", fp8_weights=fp8w)

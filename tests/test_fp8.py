@@ -7,7 +7,7 @@ import torch
 
 import mla
 from mla import quant
-from mla.weights import dequant_block_fp8, quantize_block_fp8
+from mla.weights import dequant_block_fp8, quantize_block_fp8, quantize_checkpoint_fp8
 from hf_util import FP32_TOL, PREFIX, hf_reference, make_attention, make_config, rel_err, state_dict
 
 # FP8 e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative per value,
@@ -47,11 +47,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(ue8m0):
 def _fp8_checkpoint(hf_cfg, seed):
     """(state dict with every 2-D weight in block FP8, the float32 HF module)."""
     attn, _ = make_attention(hf_cfg, seed=seed)
-    sd = state_dict(attn)
-    for name in list(sd):
-        if sd[name].dim() == 2:
-            sd[name], sd[name.replace("weight", "weight_scale_inv")] = quantize_block_fp8(sd[name])
-    return sd, attn
+    return quantize_checkpoint_fp8(state_dict(attn)), attn
 
 
 def _act_qdq(x):

@@ -17,7 +17,8 @@ import torch
 from .config import MLAConfig
 from .quant import scale_to_float
 
-__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8", "quantize_block_fp8"]
+__all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_fp8", "quantize_block_fp8",
+           "quantize_checkpoint_fp8"]
 
 FP8_BLOCK = 128
 
@@ -79,6 +80,19 @@ def quantize_block_fp8(weight: torch.Tensor, ue8m0: bool = False, block: int = F
     q = (tiles / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     q = q.view(bo * block, bi * block)[:out_f, :in_f].contiguous()
     return q, ((torch.log2(scale) + 127).to(torch.uint8) if ue8m0 else scale)
+
+
+def quantize_checkpoint_fp8(sd: dict[str, torch.Tensor], ue8m0: bool = False) -> dict[str, torch.Tensor]:
+    """A float state dict made into an FP8 checkpoint as DeepSeek ships them: every 2-D
+    ``*weight`` -> block FP8 (``quantize_block_fp8``) with its ``*weight_scale_inv`` beside it;
+    other tensors (norms, biases) as they are."""
+    out = {}
+    for name, t in sd.items():
+        if t.dim() == 2 and name.endswith("weight"):
+            out[name], out[name + "_scale_inv"] = quantize_block_fp8(t, ue8m0)
+        else:
+            out[name] = t
+    return out
 
 
 def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "",
