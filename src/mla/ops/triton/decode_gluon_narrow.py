@@ -63,10 +63,12 @@ def _zero_tail(k_buf, kpe_buf, n0, end):
 
 
 @gluon.jit
-def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, l_base,
-               seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale,
-               CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
+def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
+     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    o_base += WG * stride_os                          # this warpgroup's partial slot of the split
+    l_base += WG * stride_ls
     R: gl.constexpr = q_smem.shape[0]
     NBUF: gl.constexpr = k_smem.shape[0]
     A_L: gl.constexpr = _acc_layout(R)
@@ -146,22 +148,6 @@ def _narrow_wg(WG: gl.constexpr, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, re
 
 
 @gluon.jit
-def _wg_even(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
-     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    _narrow_wg(0, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, l_base, seqlen, start, end,
-               n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
-
-
-@gluon.jit
-def _wg_odd(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
-     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    _narrow_wg(1, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base + stride_os, l_base + stride_ls,
-               seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale, CAUSAL, KV_FMT)
-
-
-@gluon.jit
 def _narrow_kernel(
     Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
     stride_qb, stride_qi, stride_qh,
@@ -237,8 +223,8 @@ def _narrow_kernel(
     args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
             stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
     gl.warp_specialize([
-        (_wg_even, (args, CAUSAL, KV_FMT)),
-        (_wg_odd, (args, CAUSAL, KV_FMT)),
+        (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
+        (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
         (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
                    block_size, KV_FMT)),
     ], [4, 1], [232, 24])
