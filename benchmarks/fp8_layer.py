@@ -12,37 +12,13 @@ against the same layer in float32 on dequantized weights and a float32 cache.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import mla
 from mla.demo import random_state_dict
 from mla.weights import quantize_checkpoint_fp8
-
-
-def _time(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def _graph_time(fn, iters=50):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _time(g.replay, iters)
+from timing import graph_time_per_call, time_per_call
 
 
 def _step_time(fn) -> float:
@@ -56,11 +32,11 @@ def _step_time(fn) -> float:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     try:
-        return _graph_time(fn) * 1e6
+        return graph_time_per_call(fn, iters=50) * 1e6
     except Exception as e:
         print(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]}); eager time")
         torch.cuda.synchronize()
-        return _time(fn) * 1e6
+        return time_per_call(fn) * 1e6
 
 
 def _cache(cfg, batch, ctx, dtype, scaling):
@@ -121,7 +97,7 @@ def main(argv=None) -> int:
         def step():
             cache.release("p") if "p" in cache else None
             return layer(x_prompt, cache.prepare([("p", args.prompt)]))
-        ms = _time(step, iters=5) * 1e3
+        ms = time_per_call(step, iters=5) * 1e3
         t0 = t0 or ms
         print(f"{lname:<13} {ms:9.3f} {t0 / ms:7.2f}x", flush=True)
         del cache

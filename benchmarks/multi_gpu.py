@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 
 import mla
 from mla.demo import random_state_dict
+from timing import graph_time_per_call as _time_graph, time_per_call as _time
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(k, v)
@@ -96,33 +96,6 @@ def _worker(rank, world, layouts, grid, cfg_name, backend_dist, results):
     if rank == 0:
         results["rows"] = rows
     dist.destroy_process_group()
-
-
-def _time(fn, gpu, iters=20):
-    for _ in range(3):
-        fn()
-    if gpu:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if gpu:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def _time_graph(fn, iters=20):
-    """One decode step captured in a CUDA graph (NCCL calls included), replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _time(g.replay, True, iters)
 
 
 def _check_against_single(rank, world, tp, cp, cfg, cache, batch, single, x, out, device, dtype):
