@@ -87,7 +87,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     q:             [B, s_q, H, d] float16/bfloat16/float32, d = kv_lora_rank + qk_rope_head_dim (576)
     kv_cache:      [num_blocks, block_size, d] (or [num_blocks, block_size, 1, d]) in q's dtype; or
                    float8_e4m3fn rows (value = fp8 * kv_scale); or uint8 rows of the FP8 tile layout
-                   [num_blocks, block_size, r + 4 * r/128 + 2 * dr] (mla.quant), r = head_dim_v
+                   [num_blocks, block_size, r + 4 * r/128 + 2 * dr] (mla.quant), r = head_dim_v.
+                   The GPU kernels compute on float8_e4m3fn rows in float16 (e4m3 widens to it
+                   exactly, in one instruction a pair): bf16 queries there must stay within
+                   float16's range (|q| <= 65504), as they do in the DeepSeek and Kimi models
     block_table:   [B, max_blocks] int32; block j of sequence b is kv_cache[block_table[b, j]]
     cache_seqlens: [B] int32, lengths including the s_q new tokens
     head_dim_v:    values are the first head_dim_v (= kv_lora_rank) entries of each row
