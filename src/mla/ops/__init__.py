@@ -90,7 +90,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
                    [num_blocks, block_size, r + 4 * r/128 + 2 * dr] (mla.quant), r = head_dim_v.
                    The GPU kernels compute on float8_e4m3fn rows in float16 (e4m3 widens to it
                    exactly, in one instruction a pair): bf16 queries there must stay within
-                   float16's range (|q| <= 65504), as they do in the DeepSeek and Kimi models
+                   float16's range (|q| <= 65504); values past it become inf
     block_table:   [B, max_blocks] int32; block j of sequence b is kv_cache[block_table[b, j]]
     cache_seqlens: [B] int32, lengths including the s_q new tokens
     head_dim_v:    values are the first head_dim_v (= kv_lora_rank) entries of each row
