@@ -78,6 +78,15 @@ def jit(fn=None, **kwargs):
     return _DualKernel(fn, **kwargs)
 
 
+def kv_fmt(kv_cache) -> int:
+    """The kernels' KV_FMT code of a cache: 0 plain rows, 1 FP8 rows, 2 FP8 tile rows (the index
+    of ``mla.ops.cache_format`` in ``mla.quant.CACHE_FORMATS``)."""
+    from .. import cache_format
+    from ...quant import CACHE_FORMATS
+
+    return CACHE_FORMATS.index(cache_format(kv_cache))
+
+
 # Ops with a Triton kernel are re-exported here as they land; the rest fall back to the reference.
 # One line per op, so each kernel file swaps in its own line.
 from .decode import mla_decode  # noqa: E402,F401

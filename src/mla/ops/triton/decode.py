@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import jit
+from . import jit, kv_fmt
 
 __all__ = ["mla_decode", "DecodeConfig", "default_config", "launch"]
 
@@ -231,7 +231,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
            kv_scale: float = 1.0):
     """``mla_decode`` with an explicit schedule (the benchmark compares several)."""
     B, s_q, H, d = q.shape
-    kv_fmt = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
+    fmt = kv_fmt(kv_cache)
     if kv_cache.stride(-1) != 1:
         kv_cache = kv_cache.contiguous()
     if q.stride(-1) != 1:
@@ -258,8 +258,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
         H, s_q, dv, dr, kv_cache.shape[1], S,
-        softmax_scale * _LOG2E * (kv_scale if kv_fmt == 1 else 1.0), kv_scale if kv_fmt == 1 else 1.0,
-        CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=kv_fmt,
+        softmax_scale * _LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt,
         PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import kv_fmt
 from .decode import _num_sms, combine
 
 __all__ = ["mla_decode_gluon", "supports", "launch_gluon"]
@@ -487,7 +488,6 @@ def _seesaw_kernel(
     ], [4, 1], [240, 24])
 
 
-_FORMATS = {torch.float8_e4m3fn: 1, torch.uint8: 2}     # KV_FMT of the FP8 rows; 0: q's dtype
 _ROW = {0: _D, 1: _D, 2: _DV + 4 * _DV // 128 + 2 * (_D - _DV)}     # elements (bytes for FP8) per row
 
 
@@ -505,7 +505,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_size: int | None = N
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    fmt = kv_fmt(kv_cache)
     if q.dtype not in (torch.bfloat16, torch.float16) or (fmt == 0 and kv_cache.dtype != q.dtype):
         return False
     if q.dim() != 4 or q.shape[-1] != _D or kv_cache.shape[-1] != _ROW[fmt] or q.stride(-1) != 1:
@@ -568,7 +568,7 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     num_blocks, block_size, _ = kv_cache.shape
     if head_dim_v != _DV or d != _D or not supports(q, kv_cache, block_size):
         raise ValueError("mla_decode_gluon: unsupported shapes/dtypes/layout (see supports())")
-    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    fmt = kv_fmt(kv_cache)
     if fmt != 0 and block_n not in (None, 32):
         raise ValueError(f"block_n: FP8 rows are read in tiles of 32 keys, got {block_n}")
     out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)

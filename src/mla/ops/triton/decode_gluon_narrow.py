@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .decode import combine
-from .decode_gluon import _D, _DV, _FORMATS, _LOG2E, _descriptors, _loader, _widen, default_splits, supports
+from . import kv_fmt
+from .decode_gluon import _D, _DV, _LOG2E, _descriptors, _loader, _widen, default_splits, supports
 
 __all__ = ["launch_narrow", "narrow_rows"]
 
@@ -250,7 +251,7 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     R = narrow_rows(q, kv_cache)
     if head_dim_v != _DV or d != _D or not R or not supports(q, kv_cache, block_size):
         raise ValueError("launch_narrow: unsupported shapes/dtypes/layout (see narrow_rows() and supports())")
-    fmt = _FORMATS.get(kv_cache.dtype, 0)
+    fmt = kv_fmt(kv_cache)
     out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:

@@ -17,11 +17,10 @@ other sizes fall back to the reference).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from . import jit
+from . import jit, kv_fmt
 from .fp8_gemm import _round_to_bf16, _round_to_e4m3
 
 __all__ = ["rope_append"]
@@ -119,9 +118,9 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     if T == 0:
         return None
     half = dr // 2
-    kv_fmt = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
+    fmt = kv_fmt(kv_cache)
     # the kernel splits whole rows in two (dr a power of two); tile rows: whole 128-value tiles
-    if dr < 2 or dr & (dr - 1) or (kv_fmt == 2 and (r % 128 or kv_cache.stride(-1) != 1)):
+    if dr < 2 or dr & (dr - 1) or (fmt == 2 and (r % 128 or kv_cache.stride(-1) != 1)):
         from ..reference import rope_append as reference_rope_append
 
         return reference_rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
@@ -134,7 +133,7 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         H, r, kv_cache.shape[1], float(kv_scale),
         HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
-        BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=kv_fmt, num_warps=4,
+        BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=fmt, num_warps=4,
     )
     return None
 
