@@ -10,6 +10,7 @@ Providers, each checked against mla.ops.reference.fp8_linear (float32 output) be
   bf16       F.linear(x, W dequantized to bf16)
   scaled_mm  our activation quantization + torch.nn.functional.scaled_mm (cuBLAS, BlockWise1x128
              x BlockWise128x128), where this torch and GPU have it
+Then the absorbed path's per-head W_UK / W_UV matmuls: ``fp8_bmm`` against torch.bmm in bf16.
 Timing: one CUDA graph holding one call per rotated copy of the weight (together > 256 MB, past
 the L2), median replay time / number of calls (triton.testing.do_bench, L2 flushed per replay).
   bytes = N*K (fp8 weight) + 2*M*K + 2*M*N;  FLOPs = 2*M*N*K
@@ -28,6 +29,10 @@ from mla.ops.triton import fp8_gemm
 from mla.weights import dequant_block_fp8, quantize_block_fp8
 
 SHAPES = [("q_b_proj", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168)]
+# the absorbed path's per-head matmuls (kv_b_proj split into W_UK and W_UV, DeepSeek-V3):
+# q_nope [H, M, 128] -> [H, M, 512] through W_UK (w = W_UK[h]^T: N 512, K 128), and the
+# attention's latent output [H, M, 512] -> [H, M, 128] through W_UV (w = W_UV[h]: N 128, K 512)
+ABSORBED = [("W_UK", 512, 128), ("W_UV", 128, 512)]
 
 
 def scaled_mm_provider():
@@ -74,7 +79,31 @@ def main(argv=None):
             tf = 2 * M * N * K / t8 / 1e6
             print(f"{name:<9} {N:>6} {K:>6} {M:>5} {t8:>8.1f} {t16:>8.1f} {t16 / t8:>7.2f}x "
                   f"{tb:>6.2f} {tf:>8.0f} {err:>8.1e} {t_smm:>8.1f} {e_smm:>8.1e}")
+    absorbed(args.m, g)
     return 0
+
+
+def absorbed(ms, g, heads=(16, 128)):
+    """fp8_bmm (block-scaled FP8 weights, per-head batch) against torch.bmm on bf16 weights."""
+    dev = g.device
+    print(f"\nabsorbed bmm, per head x [M, K] @ w^T, w [N, K]: fp8 = mla fp8_bmm (activation "
+          f"quantization + block-scaled GEMM), bf16 = torch.bmm on the dequantized weights")
+    print(f"{'shape':<6} {'H':>4} {'N':>4} {'K':>4} {'M':>5} {'fp8 us':>8} {'bf16 us':>8} {'speedup':>8} "
+          f"{'fp8 err':>8}")
+    for name, N, K in ABSORBED:
+        for H in heads:
+            w, w_scale = quantize_block_fp8(torch.randn(H * N, K, device=dev, generator=g) * 0.02)
+            w, w_scale = w.view(H, N, K), w_scale.view(H, -1, w_scale.shape[-1])
+            copies = max(1, min(16, math.ceil(256e6 / (H * N * K))))
+            ws = [(w.clone(), w_scale.clone()) for _ in range(copies)]
+            wb = [torch.stack([dequant_block_fp8(a[h], s[h]) for h in range(H)]).to(torch.bfloat16) for a, s in ws]
+            for M in ms:
+                x = torch.randn(H, M, K, device=dev, generator=g).to(torch.bfloat16)
+                ref = torch.stack([reference.fp8_linear(x[h], w[h], w_scale[h], torch.float32) for h in range(H)])
+                err = rel_err(fp8_gemm.fp8_bmm(x, w, w_scale, torch.float32), ref)
+                t8 = graph_time_us([lambda a=a, s=s: fp8_gemm.fp8_bmm(x, a, s, x.dtype) for a, s in ws])
+                t16 = graph_time_us([lambda b=b: torch.bmm(x, b.mT) for b in wb])
+                print(f"{name:<6} {H:>4} {N:>4} {K:>4} {M:>5} {t8:>8.1f} {t16:>8.1f} {t16 / t8:>7.2f}x {err:>8.1e}")
 
 
 if __name__ == "__main__":
