@@ -140,6 +140,44 @@ def test_public_op_dispatches_to_kernel():
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
 
 
+def check_combine(S, B, s_q, H, dv, out_dtype, device, seed=0):
+    """decode.combine against the float64 LSE merge of S partials. Partials are as the kernels
+    write them: an empty split has out 0 and lse -inf; one row has every split empty."""
+    g = torch.Generator().manual_seed(seed)
+    o_part = torch.randn(S, B, s_q, H, dv, generator=g)
+    l_part = torch.randn(S, B, s_q, H, generator=g) * 4
+    empty = torch.rand(S, B, s_q, H, generator=g) < 0.3
+    empty[:, 0, 0, 0] = True
+    l_part[empty] = float("-inf")
+    o_part[empty] = 0.0
+    out = torch.empty(B, s_q, H, dv, dtype=out_dtype, device=device)
+    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=device)
+    decode.combine(o_part.to(device), l_part.to(device), out, lse)
+    ref_lse = torch.logsumexp(l_part.double(), 0)
+    w = torch.exp(l_part.double() - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0))
+    ref = (w[..., None] * o_part.double()).sum(0)
+    out, lse = out.double().cpu(), lse.double().cpu()
+    none = torch.isinf(ref_lse)
+    assert none[0, 0, 0] and torch.equal(torch.isinf(lse), none) and (out[none] == 0).all()
+    # float32 sums over S terms (|w| <= 1, |o| ~ 4): S * 2^-24 * max|o| each, plus out's rounding
+    tol = 2 * S * 2.0 ** -24 * o_part.abs().max().item()
+    rnd = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out_dtype]   # half an ulp
+    assert ((out - ref).abs() <= tol + rnd * ref.abs()).all()
+    assert ((lse - ref_lse)[~none].abs() <= 2 * S * 2.0 ** -24 * ref_lse[~none].abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 40, 300])
+def test_cpu_combine(S):
+    # 300 splits: more than one pass of 256; dv 40 and 3 heads x 2 queries: masked tiles
+    check_combine(S, 2, 2, 3, 40, torch.float32, "cpu", seed=S)
+
+
+def test_cpu_combine_fp16_out_and_wide_rows():
+    # float16 here: the 3.6 interpreter casts float32 to bf16 by truncation (the GPU rounds)
+    check_combine(5, 3, 1, 7, 64, torch.float16, "cpu")
+    check_combine(4, 1, 1, 1, 512, torch.float32, "cpu")
+
+
 # ---------------------------------------------------------------- GPU: real shapes
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
@@ -163,6 +201,13 @@ def test_gpu_other_dtypes(dtype):
 def test_gpu_long_single_sequence_and_non_causal():
     check([131072], 1, 16, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", seed=2)
     check([5000, 7], 3, 128, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", causal=False, seed=3)
+
+
+@gpu
+@pytest.mark.parametrize("S,H,dv", [(2, 128, 512), (8, 16, 512), (132, 16, 512), (300, 3, 40)])
+def test_gpu_combine(S, H, dv):
+    check_combine(S, 4, 1, H, dv, torch.float32, "cuda", seed=S)
+    check_combine(S, 2, 2, H, dv, torch.bfloat16, "cuda", seed=S + 1)
 
 
 @gpu
