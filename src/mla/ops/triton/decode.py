@@ -169,26 +169,25 @@ def _combine_kernel(
     l_rows = LSE_PART + b.to(tl.int64) * stride_lb + qi * stride_li + h                  # [R]
     p_rows = O_PART + b.to(tl.int64) * stride_pb + qi * stride_pi + h * stride_ph         # [R]
 
-    mx = tl.full([BLOCK_S, BLOCK_R], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ok = (s0 + s_off < num_splits)[:, None] & r_ok[None, :]
-        mx = tl.maximum(mx, tl.load(l_rows[None, :] + (s0 + s_off)[:, None] * stride_ls, mask=ok,
-                                    other=float("-inf")))
-    lmax = tl.max(mx, 0)
-    lmax = tl.where(lmax == float("-inf"), 0.0, lmax)
-
-    tot = tl.full([BLOCK_S, BLOCK_R], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_S, BLOCK_R, BLOCK_D], 0.0, dtype=tl.float32)
+    # one pass, the running maximum rescaling what is summed so far (one round of loads when
+    # all the splits fit in BLOCK_S, the usual case)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    total = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         ok = (s0 + s_off < num_splits)[:, None] & r_ok[None, :]
         ls = tl.load(l_rows[None, :] + (s0 + s_off)[:, None] * stride_ls, mask=ok, other=float("-inf"))
-        w = tl.exp(ls - lmax[None, :])                      # empty split (-inf): weight 0
         o = tl.load(p_rows[None, :, None] + (s0 + s_off)[:, None, None] * stride_ps + d[None, None, :],
                     mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        tot += w
-        acc += w[:, :, None] * o
-    total = tl.sum(tot, 0)
-    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)[:, None]
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)                          # 0 while nothing was seen
+        w = tl.exp(ls - m_safe[None, :])                    # empty split (-inf): weight 0
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    lmax = tl.where(m == float("-inf"), 0.0, m)
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     o_rows = OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
     tl.store(o_rows[:, None] + d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     if tl.program_id(2) == 0:
