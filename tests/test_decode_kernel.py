@@ -226,3 +226,16 @@ def test_gpu_cuda_graph_capture():
     ref_out, ref_lse = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+def test_cpu_launch_refused_where_the_interpreter_breaks(monkeypatch):
+    """With numpy >= 2.4 under Triton 3.6 a CPU launch raises before the interpreter runs
+    (a launch failing inside it broke later Gluon compiles in the process) and writes nothing."""
+    import mla.ops.triton as mt
+
+    monkeypatch.setattr(mt, "INTERPRETER_BROKEN", True)
+    o, lse_p = torch.randn(3, 1, 1, 2, 16), torch.randn(3, 1, 1, 2)
+    out, lse = torch.full((1, 1, 2, 16), 7.0), torch.full((1, 1, 2), 7.0)
+    with pytest.raises(RuntimeError, match="numpy < 2.4"):
+        decode.combine(o, lse_p, out, lse)
+    assert (out == 7.0).all() and (lse == 7.0).all()

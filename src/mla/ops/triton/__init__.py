@@ -43,6 +43,21 @@ def _restore_language(state) -> None:
                 setattr(obj, name, value)
 
 
+def _interpreter_breaks() -> bool:
+    """Triton 3.6's interpreter fails on run-time loop bounds with numpy >= 2.4
+    (triton-lang/triton#9171), and a launch that fails inside it leaves the process unable to
+    compile Gluon kernels afterwards (seen on the H200: the decode kernel's compile then fails
+    in a process where an interpreted launch had failed; module attributes restored or not)."""
+    import numpy
+
+    def version(v):
+        return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+    return version(numpy.__version__) >= (2, 4) and version(triton.__version__) <= (3, 6)
+
+
+INTERPRETER_BROKEN = _interpreter_breaks()
+
+
 class _DualKernel(JITFunction):
     """A JITFunction that hands CPU-tensor launches (and calls from interpreted
     kernels) to an InterpretedFunction of the same Python function."""
@@ -56,6 +71,11 @@ class _DualKernel(JITFunction):
 
         on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
         if on_cpu:
+            if INTERPRETER_BROKEN:
+                raise RuntimeError(
+                    "mla: Triton kernels run on CPU tensors through Triton's interpreter, which fails with "
+                    "numpy >= 2.4 in Triton 3.6 (triton-lang/triton#9171) and then breaks later GPU "
+                    "compilation in the process; install numpy < 2.4, or pass backend='torch' for CPU tensors")
             plain_call, language = JITFunction.__call__, _language_state()
             JITFunction.__call__ = _call_interpreted
             try:
