@@ -118,9 +118,9 @@ class MLA(nn.Module):
         except q_b_proj and o_proj, which stay FP8 with their block scales and run as
         block-scaled FP8 GEMMs (``mla.ops.fp8_linear``) when ``fp8_weights`` is "always", or
         "auto" on a CUDA device (on the H200 1.2-1.55x faster than bf16 at decode sizes;
-        kv_a/q_a, slower in FP8 there, and kv_b_proj, whose W_UK/W_UV serve the absorbed bmm
-        and the expansion, are dequantized: docs/PERF.md). A TP/CP share that would split a
-        128-block is dequantized too."""
+        kv_a/q_a and kv_b_proj are dequantized: in FP8 they were slower there, W_UK/W_UV's
+        absorbed bmm 1.1-2.8x bf16's time at every batch; docs/PERF.md). A TP/CP share that
+        would split a 128-block is dequantized too."""
         lite = self.cfg.q_lora_rank is None
         fp8_names = ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",))
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
