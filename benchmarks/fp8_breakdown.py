@@ -1,0 +1,115 @@
+"""Where the FP8 narrow decode kernel's time goes (docs/PERF.md, "Decode: narrow kernel").
+
+    PYTHONPATH=src python3 benchmarks/fp8_breakdown.py
+
+Builds two variants of ``mla/ops/triton/decode_gluon_narrow.py`` by editing its source text
+(compile-time switches the library does not carry), imports them from a temporary directory
+and times them beside the kernel as shipped, 16 heads, DeepSeek-V3 rows, method of
+``mla bench decode`` (CUDA graph over rotated caches):
+  no widening    each warpgroup waits for its FP8 staging tiles and releases them, then runs
+                 the MMAs and the softmax on whatever its bf16 tile holds (output wrong)
+  widening only  the tiles are widened, the MMAs and the softmax are skipped (output wrong)
+The edits assert that the text they replace is there, so a change to the kernel shows here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mla import bench
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mla" / "ops" / "triton" / "decode_gluon_narrow.py"
+
+
+def _edit(src: str, old: str, new: str) -> str:
+    if src.count(old) != 1:
+        raise RuntimeError(f"fp8_breakdown: the kernel changed; expected once: {old.strip()[:60]!r}")
+    return src.replace(old, new)
+
+
+def variant_source(mode: str) -> str:
+    """The kernel's source with the widening ("no_widen") or the MMAs ("widen_only") taken out."""
+    src = SRC.read_text()
+    for rel in ("decode", "decode_gluon"):
+        src = _edit(src, f"from .{rel} import", f"from mla.ops.triton.{rel} import")
+    src = _edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
+    lines = src.split("\n")
+    if mode == "no_widen":
+        # the two _widen calls and the tail zeroing -> wait for the staging tiles, release them
+        i = next(k for k, l in enumerate(lines) if l.strip().startswith("_widen(st8, ready, 2 * j,"))
+        j = next(k for k in range(i, len(lines)) if lines[k].strip() == "mbarrier.arrive(turn.index(WG), count=1)")
+        pad = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        lines[i:j] = [pad + "_release(st8, ready, 2 * j)", pad + "if n0 + 32 < end:", pad + "    _release(st8, ready, 2 * j + 1)"]
+        src = "\n".join(lines)
+        src = _edit(src, "@gluon.jit\ndef _narrow_wg(", '''@gluon.jit
+def _release(st8, ready, j):
+    k8, pe8, sc8, free8 = st8
+    NST: gl.constexpr = k8.shape[0]
+    mbarrier.wait(ready.index((j % NST) * 9), (j // NST) & 1)
+    gl.thread_barrier()
+    mbarrier.arrive(free8.index(j % NST), count=1)
+
+
+@gluon.jit
+def _narrow_wg(''')
+    elif mode == "widen_only":
+        # everything from S^T to the O^T MMA's wait goes under a compile-time False
+        i = next(k for k, l in enumerate(lines) if l.strip() == "s = gl.zeros([64, R], gl.float32, A_L)")
+        j = next(k for k in range(i, len(lines)) if "acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))" in lines[k])
+        pad = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        lines[i:j + 1] = [pad + "if KV_FMT == 0:"] + ["    " + l for l in lines[i:j + 1]]
+        src = "\n".join(lines)
+    else:
+        raise ValueError(mode)
+    return src
+
+
+def load_variant(mode: str, workdir: Path):
+    path = workdir / f"narrow_{mode}.py"
+    path.write_text(variant_source(mode))
+    spec = importlib.util.spec_from_file_location(f"narrow_{mode}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        sys.exit("fp8_breakdown: needs a CUDA GPU")
+    from mla.ops import reference
+    from mla.ops.triton import decode_gluon_narrow as shipped
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {"shipped": shipped, **{m: load_variant(m, Path(tmp)) for m in ("no_widen", "widen_only")}}
+        print(f"{'B':>4} {'L':>6} {'kv':>8} " + " ".join(f"{k + ' us':>14}" for k in kernels) + "  err (shipped)")
+        for B, L in [(128, 16384), (32, 16384)]:
+            for kvf in ("bf16", "fp8", "fp8_tile"):
+                c = bench.decode_case(16, B, L, 1, 64, kv_format=kvf)
+                nbytes = c["kv"].numel() * c["kv"].element_size()
+                n = max(1, min(64, math.ceil(bench.L2_ROTATE_BYTES / nbytes)))
+                copies = [c["kv"]] + [c["kv"][torch.randperm(c["kv"].shape[0], device="cuda")] for _ in range(n - 1)]
+                ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+                times, err = [], None
+                for name, mod in kernels.items():
+                    if kvf == "bf16" and name != "shipped":
+                        times.append(float("nan"))
+                        continue
+
+                    def f(kv, mod=mod):
+                        return mod.launch_narrow(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+                    if name == "shipped":
+                        err = bench._rel_err(f(c["kv"]), ref.float())
+                    times.append(bench.graph_time_us([lambda kv=kv: f(kv) for kv in copies]))
+                print(f"{B:>4} {L:>6} {kvf:>8} " + " ".join(f"{t:14.1f}" for t in times) + f"  {err:.1e}", flush=True)
+                del c, copies, ref
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
