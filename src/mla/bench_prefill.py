@@ -163,7 +163,7 @@ def time_attention(rows, quick):
         # two rounds, the second in reverse order, each provider's faster round kept: the
         # GPU's clock drifts under minutes of tensor work, and whoever ran first had an edge
         # (one run had the op 13% ahead of the identical cuDNN call timed after it)
-        provs = [(p, fn) for p, fn in _providers().items()]
+        provs = list(_providers().items())
         times = {}
         for order in (provs, provs[::-1]):
             for prov, fn in order:

@@ -46,8 +46,8 @@ def _restore_language(state) -> None:
 def _interpreter_breaks() -> bool:
     """Triton 3.6's interpreter fails on run-time loop bounds with numpy >= 2.4
     (triton-lang/triton#9171), and a launch that fails inside it leaves the process unable to
-    compile Gluon kernels afterwards (seen on the H200: the decode kernel's compile then fails
-    in a process where an interpreted launch had failed; module attributes restored or not)."""
+    compile Gluon kernels afterwards (on the H200 the decode kernel's compile then failed;
+    restoring the attributes of triton.language's and Gluon's modules did not prevent it)."""
     import numpy
 
     def version(v):

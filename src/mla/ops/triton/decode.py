@@ -273,8 +273,9 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
 def combine_tiles(num_splits: int, rows: int, dv: int) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_R, BLOCK_D) of the combine: about 4096 partial values a program, all
     the splits at once up to 256, so that each program's loads go out together. The first
-    version (one row, 128 columns, 16 splits at a time) was latency-bound: on the H200, 12 us
-    for 2 splits x 32 x 128 rows (21 MB) and ~9 dependent rounds for 132 splits (batch 1)."""
+    version (one row, 128 columns, 16 splits at a time, two passes) was latency-bound: on the
+    H200 19.7 us for 2 splits x 32 x 128 rows (21 MB) and 14.1 us for 132 splits x 16 rows
+    (batch 1), against 9.7 and 4.6 with these tiles (docs/PERF.md, "the split combine")."""
     bs = min(triton.next_power_of_2(max(num_splits, 1)), 256)
     bd = min(triton.next_power_of_2(dv), max(16, 4096 // bs))
     br = min(triton.next_power_of_2(max(rows, 1)), max(1, 4096 // (bs * bd)))
