@@ -239,3 +239,11 @@ def test_cpu_launch_refused_where_the_interpreter_breaks(monkeypatch):
     with pytest.raises(RuntimeError, match="numpy < 2.4"):
         decode.combine(o, lse_p, out, lse)
     assert (out == 7.0).all() and (lse == 7.0).all()
+
+
+def test_combine_rejects_strided_rows():
+    o_part, l_part = torch.zeros(2, 1, 1, 3, 32)[..., ::2], torch.zeros(2, 1, 1, 3)
+    out, lse = torch.full((1, 1, 3, 16), 7.0), torch.full((1, 1, 3), 7.0)
+    with pytest.raises(ValueError, match="o_part and out need unit stride"):
+        decode.combine(o_part, l_part, out, lse)
+    assert (out == 7.0).all() and (lse == 7.0).all()
