@@ -47,12 +47,16 @@ def _interpreter_breaks() -> bool:
     """Triton 3.6's interpreter fails on run-time loop bounds with numpy >= 2.4
     (triton-lang/triton#9171), and a launch that fails inside it leaves the process unable to
     compile Gluon kernels afterwards (on the H200 the decode kernel's compile then failed;
-    restoring the attributes of triton.language's and Gluon's modules did not prevent it)."""
+    restoring the attributes of triton.language's and Gluon's modules did not prevent it).
+    So where a GPU could be used later in the process, CPU launches are refused up front;
+    without one, the interpreter runs and reports its own error."""
     import numpy
+    import torch
 
     def version(v):
         return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
-    return version(numpy.__version__) >= (2, 4) and version(triton.__version__) <= (3, 6)
+    return (version(numpy.__version__) >= (2, 4) and version(triton.__version__) <= (3, 6)
+            and torch.cuda.is_available())
 
 
 INTERPRETER_BROKEN = _interpreter_breaks()
