@@ -190,6 +190,24 @@ def _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L: gl.constexpr, dt
 
 
 @gluon.jit
+def _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, HALF: gl.constexpr):
+    """This warpgroup's half of the query rows' latent part (256 columns) -> shared memory,
+    then wait for the other half: inside the partitions, so the loader's first TMA does not
+    wait behind the query loads."""
+    LD_L: gl.constexpr = _LD_L
+    rows = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
+    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, LD_L))
+    qrow = Q + q_base + (rows // H) * stride_qi + (rows % H) * stride_qh
+    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    for c in gl.static_range(4 * HALF, 4 * HALF + 4):
+        q_smem.slice(c * 64, 64, dim=1).store(
+            gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(q_smem.dtype))
+    fence_async_shared()
+    mbarrier.arrive(q_bar.index(0), count=1)
+    mbarrier.wait(q_bar.index(0), 0)
+
+
+@gluon.jit
 def _limits(ml, seqlen, H, S_Q, CAUSAL: gl.constexpr, S_L: gl.constexpr):
     ms = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
     if CAUSAL:
@@ -227,8 +245,8 @@ def _add_other_l(l_i, mine, theirs, l_bar, ROW_L: gl.constexpr):
 @gluon.jit
 def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L."""
-    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
-     l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
+    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
+     o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
      qk_scale, v_scale, st8) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
@@ -238,6 +256,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
+    _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 0)
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
     limit = _limits(ml, seqlen, H, S_Q, CAUSAL, S_L)
     m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
@@ -288,8 +307,8 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
 @gluon.jit
 def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Odd tiles: S1 alongside WG0's S0, O_R += P0 V0_R, softmax against m0, O_R += P1 V1_R."""
-    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base, o_base,
-     l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
+    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
+     o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
      qk_scale, v_scale, st8) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
@@ -299,6 +318,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
+    _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 1)
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
     limit = _limits(ml, seqlen, H, S_Q, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
@@ -428,6 +448,7 @@ def _seesaw_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())   # both halves of Q stored
     for i in gl.static_range(NLOAD * 9):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(NBUF):
@@ -436,6 +457,7 @@ def _seesaw_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(l_bar.index(0), count=2)
+    mbarrier.init(q_bar.index(0), count=2)
     if KV_FMT == 0:
         st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
         ring, ring_pe, ring_sc, free = st8              # the loader fills the K tiles themselves
@@ -461,24 +483,15 @@ def _seesaw_kernel(
     n_tiles = gl.maximum(end - start + BN - 1, 0) // BN
     bt_row = b.to(gl.int64) * stride_bt
 
-    # the latent part of the query rows -> shared memory (both warpgroups read it)
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     ml = pid_m * 64
-    rows = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
-    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, LD_L))
     q_base = b.to(gl.int64) * stride_qb
-    qrow = Q + q_base + (rows // H) * stride_qi + (rows % H) * stride_qh
-    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
-    for c in gl.static_range(8):
-        q_smem.slice(c * 64, 64, dim=1).store(
-            gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
-    fence_async_shared()
+    fence_async_shared()      # the barriers' init, before the partitions use them
     gl.thread_barrier()
 
     o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_base,
-            o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
+    args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
+            q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
             stride_li, qk_scale, v_scale, st8)
     gl.warp_specialize([
         (_wg0, (args, CAUSAL, KV_FMT)),
