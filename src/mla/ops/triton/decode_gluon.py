@@ -408,6 +408,14 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
 
 
 @gluon.jit
+def launch_dependents():
+    """Let a programmatic dependent launch (the split combine, ``decode.PDL``) start once every
+    program has passed this point, instead of after the last one exits (no-op without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _seesaw_kernel(
     Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
     stride_qb, stride_qi, stride_qh,
@@ -487,6 +495,7 @@ def _seesaw_kernel(
     q_base = b.to(gl.int64) * stride_qb
     fence_async_shared()      # the barriers' init, before the partitions use them
     gl.thread_barrier()
+    launch_dependents()
 
     o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb

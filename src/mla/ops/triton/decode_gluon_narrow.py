@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import _D, _DV, _LOG2E, _descriptors, _loader, _widen, default_splits, supports
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _widen, default_splits, launch_dependents,
+                           supports)
 
 __all__ = ["launch_narrow", "narrow_rows"]
 
@@ -217,6 +218,7 @@ def _narrow_kernel(
     qpe_smem.store(gl.load(qrow[:, None] + (512 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
     fence_async_shared()
     gl.thread_barrier()
+    launch_dependents()
 
     # split pid_s writes partial slots 2 pid_s (even tiles) and 2 pid_s + 1 (odd tiles)
     o_base = (2 * pid_s).to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
