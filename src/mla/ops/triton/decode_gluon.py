@@ -270,7 +270,8 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         n0 = start + 2 * i * BN
         has1 = 2 * i + 1 < n_tiles
         if KV_FMT != 0:   # both warpgroups done with tile 2i - 2
-            mbarrier.wait(empty.index(b0), kph ^ 1)
+            mbarrier.wait(empty.index(2 * b0), kph ^ 1)
+            mbarrier.wait(empty.index(2 * b0 + 1), kph ^ 1)
             _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
         s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L,
                 KV_FMT != 0)
@@ -287,7 +288,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         acc = acc * gl.convert_layout(a0, gl.SliceLayout(1, ACC_L))[:, None]
         acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_smem.index(b0).slice(0, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(b0), count=1)
+        mbarrier.arrive(empty.index(2 * b0), count=1)
         # P1 from WG1: rescale to its max and add P1 V1_L
         mbarrier.wait(p_ready.index(1), ph)
         m_i = stats[2].load(ROW_L)
@@ -297,7 +298,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         if has1:
             acc = warpgroup_mma(p_smem.index(1), k_smem.index(b1).slice(0, 256, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(b1), count=1)
+            mbarrier.arrive(empty.index(2 * b1), count=1)
         mbarrier.arrive(p_free.index(1), count=1)
     l_tot = _add_other_l(l_i, stats[4], stats[5], l_bar, ROW_L)
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 0,
@@ -332,7 +333,8 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         has1 = 2 * i + 1 < n_tiles
         if has1:
             if KV_FMT != 0:
-                mbarrier.wait(empty.index(b1), kph ^ 1)
+                mbarrier.wait(empty.index(2 * b1), kph ^ 1)
+                mbarrier.wait(empty.index(2 * b1 + 1), kph ^ 1)
                 _widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), n1, end, KV_FMT)
             s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L, LD_L,
                     KV_FMT != 0)
@@ -354,13 +356,13 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         mbarrier.arrive(p_ready.index(1), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(p_free.index(0), count=1)
-        mbarrier.arrive(empty.index(b0), count=1)
+        mbarrier.arrive(empty.index(2 * b0 + 1), count=1)
         acc = acc * gl.convert_layout(a1, gl.SliceLayout(1, ACC_L))[:, None]
         if has1:
             acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_smem.index(b1).slice(256, 256, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(b1), count=1)
+            mbarrier.arrive(empty.index(2 * b1 + 1), count=1)
     l_tot = _add_other_l(l_i, stats[5], stats[4], l_bar, ROW_L)
     m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 256,
@@ -369,21 +371,37 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
 
 @gluon.jit
 def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
-            KV_FMT: gl.constexpr):
+            KV_FMT: gl.constexpr, HALVES: gl.constexpr = False):
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
     once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
     dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
     rows: one mbarrier for the whole tile (ready[9 slot]), as the widening reads all of it (every
-    wait costs the warpgroup a barrier); tile rows: 8 latent boxes, k_pe and the scales."""
+    wait costs the warpgroup a barrier); tile rows: 8 latent boxes, k_pe and the scales.
+    HALVES (rows in q's dtype): the slot is released in two halves, free[2 slot] for columns
+    0..255 and free[2 slot + 1] for 256..511, k_pe going with the half of the tile's owner (even
+    tiles: the first); each half is refilled as soon as it is released."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
     for j in range(n_tiles):
         buf = j % NBUF
-        mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
         n0 = start + j * BN
         blk = gl.load(BT + bt_row + n0 // block_size)
         row0 = blk * block_size + n0 % block_size
-        if KV_FMT == 0:
+        if HALVES:
+            fph = ((j // NBUF) & 1) ^ 1
+            for h in gl.static_range(2):
+                mbarrier.wait(free.index(2 * buf + h), fph)
+                for c in gl.static_range(4 * h, 4 * h + 4):
+                    bar = ready.index(buf * 9 + c)
+                    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
+                                                    ring.index(buf).slice(c * 64, 64, dim=1))
+                if j % 2 == h:
+                    bar = ready.index(buf * 9 + 8)
+                    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+        elif KV_FMT == 0:
+            mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
             for c in gl.static_range(8):
                 bar = ready.index(buf * 9 + c)
                 mbarrier.expect(bar, kv_desc.block_type.nbytes)
@@ -393,6 +411,7 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
             mbarrier.expect(bar, kv_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
         else:
+            mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
             bar = ready.index(buf * 9)
             if KV_FMT == 1:
                 mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
@@ -452,15 +471,16 @@ def _seesaw_kernel(
              gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
              gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L))
     ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    # a K tile's halves (columns 0..255: WG0's P V; 256..511: WG1's) released separately
+    empty = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())   # both halves of Q stored
     for i in gl.static_range(NLOAD * 9):
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2 * NBUF):
+        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
@@ -506,7 +526,7 @@ def _seesaw_kernel(
         (_wg0, (args, CAUSAL, KV_FMT)),
         (_wg1, (args, CAUSAL, KV_FMT)),
         (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                   block_size, KV_FMT)),
+                   block_size, KV_FMT, KV_FMT == 0)),
     ], [4, 1], [240, 24])
 
 
