@@ -13,31 +13,25 @@ The edits assert that the text they replace is there, so a change to the kernel 
 """
 from __future__ import annotations
 
-import importlib.util
-import math
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from mla import bench
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "mla" / "ops" / "triton" / "decode_gluon_narrow.py"
+from variants import KERNELS, absolute_imports, edit as _edit, load_module, rotated  # noqa: E402
 
+from mla import bench  # noqa: E402
 
-def _edit(src: str, old: str, new: str) -> str:
-    if src.count(old) != 1:
-        raise RuntimeError(f"fp8_breakdown: the kernel changed; expected once: {old.strip()[:60]!r}")
-    return src.replace(old, new)
+SRC = KERNELS / "decode_gluon_narrow.py"
 
 
 def variant_source(mode: str) -> str:
     """The kernel's source with the widening ("no_widen") or the MMAs ("widen_only") taken out."""
-    src = SRC.read_text()
-    for rel in ("decode", "decode_gluon"):
-        src = _edit(src, f"from .{rel} import", f"from mla.ops.triton.{rel} import")
-    src = _edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
+    src = absolute_imports(SRC.read_text())
     lines = src.split("\n")
     if mode == "no_widen":
         # the two _widen calls and the tail zeroing -> wait for the staging tiles, release them
@@ -70,12 +64,7 @@ def _narrow_wg(''')
 
 
 def load_variant(mode: str, workdir: Path):
-    path = workdir / f"narrow_{mode}.py"
-    path.write_text(variant_source(mode))
-    spec = importlib.util.spec_from_file_location(f"narrow_{mode}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(variant_source(mode), f"narrow_{mode}", workdir)
 
 
 def main() -> int:
@@ -90,9 +79,7 @@ def main() -> int:
         for B, L in [(128, 16384), (32, 16384)]:
             for kvf in ("bf16", "fp8", "fp8_tile"):
                 c = bench.decode_case(16, B, L, 1, 64, kv_format=kvf)
-                nbytes = c["kv"].numel() * c["kv"].element_size()
-                n = max(1, min(64, math.ceil(bench.L2_ROTATE_BYTES / nbytes)))
-                copies = [c["kv"]] + [c["kv"][torch.randperm(c["kv"].shape[0], device="cuda")] for _ in range(n - 1)]
+                copies = rotated(c["kv"])
                 ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
                 times, err = [], None
                 for name, mod in kernels.items():
@@ -100,7 +87,7 @@ def main() -> int:
                         times.append(float("nan"))
                         continue
 
-                    def f(kv, mod=mod):
+                    def f(kv, mod=mod, c=c):
                         return mod.launch_narrow(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
                     if name == "shipped":
                         err = bench._rel_err(f(c["kv"]), ref.float())

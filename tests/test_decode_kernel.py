@@ -228,6 +228,30 @@ def test_gpu_cuda_graph_capture():
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
 
 
+@gpu
+def test_gpu_combine_dependent_launch(monkeypatch):
+    """The combine as a programmatic dependent launch (Hopper) reads the split kernel's
+    partials only after they are written: the same bits as in plain stream order, eagerly and
+    replayed from a CUDA graph, with splits (B 1, 4k keys: one wave of splits)."""
+    q, kv, table, seqlens = make_case([4000], 1, 16, 512, 64, 64, torch.bfloat16, "cuda", seed=11)
+    scale = 1 / math.sqrt(576)
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(decode, "PDL", pdl)
+        eager = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graphed = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+        graphed[0].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        results[pdl] = (eager, graphed)
+    ref_out, ref_lse = results[False][0]
+    for out, lse in (results[False][1], *results[True]):
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
 def test_cpu_launch_refused_where_the_interpreter_breaks(monkeypatch):
     """With numpy >= 2.4 under Triton 3.6 a CPU launch raises before the interpreter runs
     (a launch failing inside it broke later Gluon compiles in the process) and writes nothing."""

@@ -1,0 +1,92 @@
+"""Where the seesaw decode kernel's time goes at 128 heads (docs/PERF.md, "Decode: the seesaw
+at 128 heads, where the time goes").
+
+    PYTHONPATH=src python3 benchmarks/seesaw_breakdown.py
+
+Variants of ``mla/ops/triton/decode_gluon.py`` made by editing its source text (see
+variants.py), timed beside the kernel as shipped by the method of ``mla bench decode`` (CUDA
+graph over rotated caches), bf16 rows, DeepSeek-V3 dims; the outputs of all but "shipped" are
+wrong by design:
+  no_load   the loader arrives on each box's barrier instead of copying (tiles hold whatever
+            shared memory held): everything but the loads
+  no_mma    every warpgroup MMA returns its accumulator: loads, softmax, hand-offs, waits
+  no_qk     only S = Q K^T's MMAs left out
+  no_pv     only the P V MMAs left out
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from variants import KERNELS, absolute_imports, edit, load_module, rotated  # noqa: E402
+
+from mla import bench  # noqa: E402
+
+SRC = KERNELS / "decode_gluon.py"
+_NOMMA = '''@gluon.jit
+def _nomma(a, b, acc, use_acc=True, is_async=True):
+    return acc
+
+
+@gluon.jit
+def _qk('''
+
+
+def variant_source(mode: str) -> str:
+    src = absolute_imports(SRC.read_text())
+    if mode == "no_load":   # the seesaw's loader path (the tile released in halves)
+        for c, dst in (("[row0, c * 64]", "ring.index(buf).slice(c * 64, 64, dim=1))"),
+                       ("[row0, 512]", "ring_pe.index(buf))")):
+            pad = " " * 20
+            head = f"{pad}mbarrier.expect(bar, kv_desc.block_type.nbytes)\n{pad}tma.async_copy_global_to_shared(kv_desc, {c}, bar,"
+            i = src.index(head)
+            j = src.index(dst, i) + len(dst)
+            src = src[:i] + f"{pad}mbarrier.arrive(bar, count=1)" + src[j:]
+        return src
+    a, b = src.index("def _qk("), src.index("def _widen_part(")
+    c, d = src.index("def _wg0("), src.index("def _loader(")
+    if mode == "no_qk":
+        src = src[:a] + src[a:b].replace("warpgroup_mma(", "_nomma(") + src[b:]
+    elif mode == "no_pv":
+        src = src[:c] + src[c:d].replace("warpgroup_mma(", "_nomma(") + src[d:]
+    elif mode == "no_mma":
+        src = src[:a] + src[a:d].replace("warpgroup_mma(", "_nomma(") + src[d:]
+    else:
+        raise ValueError(mode)
+    return edit(src, "@gluon.jit\ndef _qk(", _NOMMA)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        sys.exit("seesaw_breakdown: needs a CUDA GPU")
+    from mla.ops import reference
+    from mla.ops.triton import decode_gluon as shipped
+
+    modes = ("no_load", "no_mma", "no_qk", "no_pv")
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {"shipped": shipped, **{m: load_module(variant_source(m), f"seesaw_{m}", tmp) for m in modes}}
+        print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{k + ' us':>11}" for k in kernels) + "  err (shipped)")
+        for H, B, L in [(128, 128, 16384), (128, 32, 4096)]:
+            c = bench.decode_case(H, B, L, 1, 64)
+            copies = rotated(c["kv"])
+            ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+            times = []
+            for name, mod in kernels.items():
+                def f(kv, mod=mod, c=c):
+                    return mod.launch_gluon(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+                if name == "shipped":
+                    err = bench._rel_err(f(c["kv"]), ref.float())
+                times.append(bench.graph_time_us([lambda kv=kv, f=f: f(kv) for kv in copies]))
+            print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{t:11.1f}" for t in times) + f"  {err:.1e}", flush=True)
+            del c, copies, ref
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

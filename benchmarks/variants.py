@@ -1,0 +1,44 @@
+"""Kernel variants made by editing a module's source text, for the breakdown scripts
+(fp8_breakdown.py, seesaw_breakdown.py): compile-time changes the library does not carry, such
+as leaving out one stage to time the rest (docs/PERF.md)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+from mla import bench
+
+KERNELS = Path(bench.__file__).resolve().parent / "ops" / "triton"
+
+
+def edit(src: str, old: str, new: str) -> str:
+    """src with old (which must occur exactly once: a change to the kernel shows here) -> new."""
+    if src.count(old) != 1:
+        raise RuntimeError(f"variant edit: expected once, found {src.count(old)}: {old.strip()[:60]!r}")
+    return src.replace(old, new)
+
+
+def absolute_imports(src: str) -> str:
+    """The module's relative imports made absolute, so that a copy imports from elsewhere."""
+    for rel in ("decode_gluon", "decode"):
+        src = src.replace(f"from .{rel} import", f"from mla.ops.triton.{rel} import")
+    return edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
+
+
+def load_module(src: str, name: str, workdir: Path):
+    path = Path(workdir) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rotated(kv: torch.Tensor) -> list[torch.Tensor]:
+    """kv and row-permuted copies, together past the L2, as ``mla bench decode`` rotates them."""
+    nbytes = kv.numel() * kv.element_size()
+    n = max(1, min(64, math.ceil(bench.L2_ROTATE_BYTES / nbytes)))
+    return [kv] + [kv[torch.randperm(kv.shape[0], device=kv.device)] for _ in range(n - 1)]
