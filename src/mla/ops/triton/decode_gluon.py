@@ -24,7 +24,10 @@ half the work and the GEMMs, the softmax and the loads ran one after another; th
                 row statistics (m, rescale, l) for the exchange
     the loader: TMA, 9 boxes of 64 columns per tile, one mbarrier per box, so a QK^T can
                 start on the first 64 columns while the rest arrive; a buffer is refilled
-                once both warpgroups released it
+                half by half: columns 0..255 once WG0's P V is done with them, 256..511 once
+                WG1's is (bf16/fp16 rows; FP8 staging tiles: once widened)
+    query rows: loaded by the two warpgroups, half each, after the partitions start, so the
+                loader's first TMA does not wait for them
     per pair of tiles (2i in K0, 2i+1 in K1); WG0 owns output columns 0..255, WG1 256..511:
       WG0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 -> shared; O_L = O_L a0 + P0 V0_L
       WG1: S1 = Q K1^T (alongside WG0's); waits P0; m1 = max(m0, rowmax S1); P1 -> shared
