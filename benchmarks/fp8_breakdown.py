@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from variants import KERNELS, absolute_imports, edit as _edit, load_module, rotated  # noqa: E402
+from variants import KERNELS, absolute_imports, edit as _edit, load_module, time_launchers  # noqa: E402
 
 from mla import bench  # noqa: E402
 
@@ -70,7 +70,6 @@ def load_variant(mode: str, workdir: Path):
 def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("fp8_breakdown: needs a CUDA GPU")
-    from mla.ops import reference
     from mla.ops.triton import decode_gluon_narrow as shipped
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,21 +78,16 @@ def main() -> int:
         for B, L in [(128, 16384), (32, 16384)]:
             for kvf in ("bf16", "fp8", "fp8_tile"):
                 c = bench.decode_case(16, B, L, 1, 64, kv_format=kvf)
-                copies = rotated(c["kv"])
-                ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
-                times, err = [], None
-                for name, mod in kernels.items():
-                    if kvf == "bf16" and name != "shipped":
-                        times.append(float("nan"))
-                        continue
 
-                    def f(kv, mod=mod, c=c):
-                        return mod.launch_narrow(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
-                    if name == "shipped":
-                        err = bench._rel_err(f(c["kv"]), ref.float())
-                    times.append(bench.graph_time_us([lambda kv=kv: f(kv) for kv in copies]))
-                print(f"{B:>4} {L:>6} {kvf:>8} " + " ".join(f"{t:14.1f}" for t in times) + f"  {err:.1e}", flush=True)
-                del c, copies, ref
+                def launch(kv, mod, c=c):
+                    return mod.launch_narrow(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+                # bf16 rows: the shipped kernel only (the variants edit the FP8 path)
+                launchers = {name: (lambda kv, mod=mod: launch(kv, mod))
+                             for name, mod in kernels.items() if kvf != "bf16" or name == "shipped"}
+                times, err = time_launchers(c, launchers)
+                print(f"{B:>4} {L:>6} {kvf:>8} " + " ".join(f"{times.get(k, float('nan')):14.1f}" for k in kernels)
+                      + f"  {err:.1e}", flush=True)
+                del c, launchers
                 torch.cuda.empty_cache()
     return 0
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from variants import KERNELS, absolute_imports, edit, load_module, rotated  # noqa: E402
+from variants import KERNELS, absolute_imports, edit, load_module, time_launchers  # noqa: E402
 
 from mla import bench  # noqa: E402
 
@@ -43,7 +43,8 @@ def variant_source(mode: str) -> str:
         for c, dst in (("[row0, c * 64]", "ring.index(buf).slice(c * 64, 64, dim=1))"),
                        ("[row0, 512]", "ring_pe.index(buf))")):
             pad = " " * 20
-            head = f"{pad}mbarrier.expect(bar, kv_desc.block_type.nbytes)\n{pad}tma.async_copy_global_to_shared(kv_desc, {c}, bar,"
+            head = (f"{pad}mbarrier.expect(bar, kv_desc.block_type.nbytes)\n"
+                    f"{pad}tma.async_copy_global_to_shared(kv_desc, {c}, bar,")
             i = src.index(head)
             j = src.index(dst, i) + len(dst)
             src = src[:i] + f"{pad}mbarrier.arrive(bar, count=1)" + src[j:]
@@ -64,7 +65,6 @@ def variant_source(mode: str) -> str:
 def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("seesaw_breakdown: needs a CUDA GPU")
-    from mla.ops import reference
     from mla.ops.triton import decode_gluon as shipped
 
     modes = ("no_load", "no_mma", "no_qk", "no_pv")
@@ -73,17 +73,15 @@ def main() -> int:
         print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{k + ' us':>11}" for k in kernels) + "  err (shipped)")
         for H, B, L in [(128, 128, 16384), (128, 32, 4096)]:
             c = bench.decode_case(H, B, L, 1, 64)
-            copies = rotated(c["kv"])
-            ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
-            times = []
-            for name, mod in kernels.items():
-                def f(kv, mod=mod, c=c):
-                    return mod.launch_gluon(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
-                if name == "shipped":
-                    err = bench._rel_err(f(c["kv"]), ref.float())
-                times.append(bench.graph_time_us([lambda kv=kv, f=f: f(kv) for kv in copies]))
-            print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{t:11.1f}" for t in times) + f"  {err:.1e}", flush=True)
-            del c, copies, ref
+
+            def launch(kv, mod, c=c):
+                return mod.launch_gluon(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+            launchers = {name: (lambda kv, mod=mod: launch(kv, mod))
+                         for name, mod in kernels.items()}
+            times, err = time_launchers(c, launchers)
+            cols = " ".join(f"{times[k]:11.1f}" for k in kernels)
+            print(f"{H:>4} {B:>4} {L:>6} {cols}  {err:.1e}", flush=True)
+            del c, launchers
             torch.cuda.empty_cache()
     return 0
 

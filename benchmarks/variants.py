@@ -42,3 +42,16 @@ def rotated(kv: torch.Tensor) -> list[torch.Tensor]:
     nbytes = kv.numel() * kv.element_size()
     n = max(1, min(64, math.ceil(bench.L2_ROTATE_BYTES / nbytes)))
     return [kv] + [kv[torch.randperm(kv.shape[0], device=kv.device)] for _ in range(n - 1)]
+
+
+def time_launchers(c: dict, launchers: dict, checked: str = "shipped") -> tuple[dict, float]:
+    """Each launcher (kv -> out) timed by ``mla bench decode``'s method over rotated copies of
+    the cache of case c (``bench.decode_case``), and the relative error of ``checked``'s output
+    against the reference."""
+    from mla.ops import reference
+
+    copies = rotated(c["kv"])
+    ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
+    err = bench._rel_err(launchers[checked](c["kv"]), ref.float())
+    times = {name: bench.graph_time_us([lambda kv=kv, f=f: f(kv) for kv in copies]) for name, f in launchers.items()}
+    return times, err
