@@ -12,6 +12,8 @@ wrong by design:
   no_mma    every warpgroup MMA returns its accumulator: loads, softmax, hand-offs, waits
   no_qk     only S = Q K^T's MMAs left out
   no_pv     only the P V MMAs left out
+  no_tiles  no key tiles at all: launch, query loads, the end of the partitions, the stores and
+            the combine, i.e. each program's fixed cost (what 1k-key rows pay besides their tiles)
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ def _qk('''
 
 def variant_source(mode: str) -> str:
     src = absolute_imports(SRC.read_text())
+    if mode == "no_tiles":
+        return edit(src, "n_tiles = gl.maximum(end - start + BN - 1, 0) // BN", "n_tiles = gl.minimum(end - start, 0)")
     if mode == "no_load":   # the seesaw's loader path (the tile released in halves)
         for c, dst in (("[row0, c * 64]", "ring.index(buf).slice(c * 64, 64, dim=1))"),
                        ("[row0, 512]", "ring_pe.index(buf))")):
@@ -67,11 +71,11 @@ def main() -> int:
         sys.exit("seesaw_breakdown: needs a CUDA GPU")
     from mla.ops.triton import decode_gluon as shipped
 
-    modes = ("no_load", "no_mma", "no_qk", "no_pv")
+    modes = ("no_load", "no_mma", "no_qk", "no_pv", "no_tiles")
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {"shipped": shipped, **{m: load_module(variant_source(m), f"seesaw_{m}", tmp) for m in modes}}
         print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{k + ' us':>11}" for k in kernels) + "  err (shipped)")
-        for H, B, L in [(128, 128, 16384), (128, 32, 4096)]:
+        for H, B, L in [(128, 128, 16384), (128, 32, 4096), (128, 128, 1024), (128, 32, 1024)]:
             c = bench.decode_case(H, B, L, 1, 64)
 
             def launch(kv, mod, c=c):
