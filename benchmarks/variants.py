@@ -4,10 +4,7 @@ as leaving out one stage to time the rest (docs/PERF.md)."""
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
-
-import torch
 
 from mla import bench
 
@@ -37,20 +34,13 @@ def load_module(src: str, name: str, workdir: Path):
     return mod
 
 
-def rotated(kv: torch.Tensor) -> list[torch.Tensor]:
-    """kv and row-permuted copies, together past the L2, as ``mla bench decode`` rotates them."""
-    nbytes = kv.numel() * kv.element_size()
-    n = max(1, min(64, math.ceil(bench.L2_ROTATE_BYTES / nbytes)))
-    return [kv] + [kv[torch.randperm(kv.shape[0], device=kv.device)] for _ in range(n - 1)]
-
-
 def time_launchers(c: dict, launchers: dict, checked: str = "shipped") -> tuple[dict, float]:
     """Each launcher (kv -> out) timed by ``mla bench decode``'s method over rotated copies of
     the cache of case c (``bench.decode_case``), and the relative error of ``checked``'s output
     against the reference."""
     from mla.ops import reference
 
-    copies = rotated(c["kv"])
+    copies = bench.rotated_copies(c["kv"])
     ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
     err = bench._rel_err(launchers[checked](c["kv"]), ref.float())
     times = {name: bench.graph_time_us([lambda kv=kv, f=f: f(kv) for kv in copies]) for name, f in launchers.items()}

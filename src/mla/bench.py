@@ -221,6 +221,13 @@ def _naive_provider():
     return make
 
 
+def rotated_copies(kv: torch.Tensor) -> list[torch.Tensor]:
+    """kv and copies of it with its blocks permuted (the same rows in other memory, any dtype),
+    together past the L2, for timing calls that rotate through them."""
+    n = max(1, min(64, math.ceil(L2_ROTATE_BYTES / (kv.numel() * kv.element_size()))))
+    return [kv] + [kv[torch.randperm(kv.shape[0], device=kv.device)] for _ in range(n - 1)]
+
+
 def graph_time_us(calls) -> float:
     """Median replay time of one CUDA graph holding every call, divided by the number of calls."""
     from triton.testing import do_bench
@@ -279,11 +286,7 @@ def run_decode(args) -> int:
     for i, (H, B, L, s_q, kv_format) in enumerate(shapes):
         c = decode_case(H, B, L, s_q, args.page, seed=i, kv_format=kv_format)
         ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], DL, c["scale"], True)[0].float()
-        kv_bytes = c["kv"].numel() * c["kv"].element_size()
-        n_copies = max(1, min(64, math.ceil(L2_ROTATE_BYTES / kv_bytes)))
-        # rotated copies: the same rows in other memory (blocks permuted), any dtype
-        copies = [c["kv"]] + [c["kv"][torch.randperm(c["kv"].shape[0], device=c["kv"].device)]
-                              for _ in range(n_copies - 1)]
+        copies = rotated_copies(c["kv"])
         for name, make in providers.items():
             row = dict(H=H, B=B, L=L, s_q=s_q, kv=kv_format, page=args.page, provider=name)
             try:
