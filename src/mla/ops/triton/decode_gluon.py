@@ -182,6 +182,31 @@ def _probs(s, n0, end, limit, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constex
 
 
 @gluon.jit
+def _probs_own(s, n0, end, limit, m_prev, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+    """WG1's exponentials before WG0's row max is known: against its own reference
+    m_own = max(m_prev, rowmax S) -> (P', m_own, row sums of P'); ``_rebase`` later moves them
+    to the shared reference."""
+    ns = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    n = n0 + ns
+    visible = (n < end)[None, :] & (n[None, :] < limit[:, None])
+    s = gl.where(visible, s * qk_scale, float("-inf"))
+    m_own = gl.maximum(m_prev, gl.max(s, axis=1))
+    p = gl.exp2(s - gl.where(m_own == float("-inf"), 0.0, m_own)[:, None])
+    return p, m_own, gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _rebase(m_own, m0):
+    """The shared reference m1 = max(m0, m_own) (= max(m0, rowmax S1), as m0 >= m_prev), the
+    factor c that takes P' from m_own to it (0 where nothing is visible yet: P' is 0 there),
+    and a1 = 2^(m0 - m1), WG0's rescale."""
+    m1 = gl.maximum(m0, m_own)
+    m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+    c = gl.where(m_own == float("-inf"), 0.0, gl.exp2(m_own - m1_safe))
+    return m1, c, gl.exp2(m0 - m1_safe)
+
+
+@gluon.jit
 def _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L: gl.constexpr, dtype: gl.constexpr):
     """The RoPE part of the query rows, straight into the QK^T A-operand registers."""
     QPE_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
@@ -326,6 +351,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
     limit = _limits(ml, seqlen, H, S_Q, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
+    m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
     for i in range((n_tiles + 1) // 2):
         ph = i & 1
@@ -343,20 +369,23 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
                     KV_FMT != 0)
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)
+        # the exponentials against this warpgroup's own reference, alongside WG0's softmax
+        p, m_own, rs = _probs_own(s, n1, end, limit, m_prev, qk_scale, BN, S_L)
         mbarrier.wait(p_ready.index(0), ph)
         m0 = stats[0].load(ROW_L)
         a0 = stats[1].load(ROW_L)
         acc = acc * gl.convert_layout(a0, gl.SliceLayout(1, ACC_L))[:, None]
         acc = warpgroup_mma(p_smem.index(0), k_smem.index(b0).slice(256, 256, dim=1), acc, is_async=True)
-        p, m1, a1, rs = _probs(s, n1, end, limit, m0, qk_scale, BN, S_L)
-        l_i = l_i * a0 * a1 + rs
-        p16 = p.to(dtype)
+        m1, c, a1 = _rebase(m_own, m0)
+        l_i = l_i * a0 * a1 + rs * c
+        p16 = (p * c[:, None]).to(dtype)
         mbarrier.wait(p_free.index(1), ph ^ 1)
         p_smem.index(1).store(p16)
         stats[2].store(m1)
         stats[3].store(a1)
         fence_async_shared()
         mbarrier.arrive(p_ready.index(1), count=1)
+        m_prev = m1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(p_free.index(0), count=1)
         mbarrier.arrive(empty.index(2 * b0 + 1), count=1)
