@@ -169,12 +169,21 @@ def _widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _probs(s, n0, end, limit, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
-    """Masked scores in base 2 -> (P, new max, rescale of the old max, row sums of P)."""
-    ns = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    n = n0 + ns
+def _scaled(s, n0, end, limit, full_to, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+    """Scores in base 2, -inf where a row does not see the key. Keys below full_to are seen by
+    every row of the tile: a tile below it skips the mask (all but the last tile or two of a
+    split; the mask is a compare and a select per score on the softmax's critical path)."""
+    if n0 + BN <= full_to:
+        return s * qk_scale
+    n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
     visible = (n < end)[None, :] & (n[None, :] < limit[:, None])
-    s = gl.where(visible, s * qk_scale, float("-inf"))
+    return gl.where(visible, s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _probs(s, n0, end, limit, full_to, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+    """Masked scores in base 2 -> (P, new max, rescale of the old max, row sums of P)."""
+    s = _scaled(s, n0, end, limit, full_to, qk_scale, BN, S_L)
     m_new = gl.maximum(m_ref, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - m_safe[:, None])
@@ -182,14 +191,11 @@ def _probs(s, n0, end, limit, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constex
 
 
 @gluon.jit
-def _probs_own(s, n0, end, limit, m_prev, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+def _probs_own(s, n0, end, limit, full_to, m_prev, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
     """WG1's exponentials before WG0's row max is known: against its own reference
     m_own = max(m_prev, rowmax S) -> (P', m_own, row sums of P'); ``_rebase`` later moves them
     to the shared reference."""
-    ns = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    n = n0 + ns
-    visible = (n < end)[None, :] & (n[None, :] < limit[:, None])
-    s = gl.where(visible, s * qk_scale, float("-inf"))
+    s = _scaled(s, n0, end, limit, full_to, qk_scale, BN, S_L)
     m_own = gl.maximum(m_prev, gl.max(s, axis=1))
     p = gl.exp2(s - gl.where(m_own == float("-inf"), 0.0, m_own)[:, None])
     return p, m_own, gl.sum(p, axis=1)
@@ -236,11 +242,13 @@ def _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, HAL
 
 
 @gluon.jit
-def _limits(ml, seqlen, H, S_Q, CAUSAL: gl.constexpr, S_L: gl.constexpr):
+def _limits(ml, seqlen, end, H, S_Q, CAUSAL: gl.constexpr, S_L: gl.constexpr):
+    """(per query row: keys < limit are visible; keys < full_to are in the split and visible to
+    every row of the tile)."""
     ms = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
-    if CAUSAL:
-        return seqlen - S_Q + ms // H + 1          # query i sees keys < limit
-    return gl.full([64], 0, gl.int32, gl.SliceLayout(1, S_L)) + seqlen
+    if CAUSAL:                                     # query i sees keys < limit; row ml the fewest
+        return seqlen - S_Q + ms // H + 1, gl.minimum(end, seqlen - S_Q + ml // H + 1)
+    return gl.full([64], 0, gl.int32, gl.SliceLayout(1, S_L)) + seqlen, end
 
 
 @gluon.jit
@@ -286,7 +294,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 0)
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
-    limit = _limits(ml, seqlen, H, S_Q, CAUSAL, S_L)
+    limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
     m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
@@ -303,7 +311,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
             _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
         s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L,
                 KV_FMT != 0)
-        p, m0, a0, rs = _probs(s, n0, end, limit, m_i, qk_scale, BN, S_L)
+        p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L)
         l_i = l_i * a0 + rs
         p16 = p.to(dtype)
         # hand P0, m0, a0 to WG1 once it has consumed the previous ones
@@ -349,7 +357,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 1)
     qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, dtype)
-    limit = _limits(ml, seqlen, H, S_Q, CAUSAL, S_L)
+    limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
     m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
@@ -370,7 +378,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)
         # the exponentials against this warpgroup's own reference, alongside WG0's softmax
-        p, m_own, rs = _probs_own(s, n1, end, limit, m_prev, qk_scale, BN, S_L)
+        p, m_own, rs = _probs_own(s, n1, end, limit, full_to, m_prev, qk_scale, BN, S_L)
         mbarrier.wait(p_ready.index(0), ph)
         m0 = stats[0].load(ROW_L)
         a0 = stats[1].load(ROW_L)
