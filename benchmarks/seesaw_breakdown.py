@@ -1,7 +1,7 @@
 """Where the seesaw decode kernel's time goes at 128 heads (docs/PERF.md, "Decode: the seesaw
 at 128 heads, where the time goes").
 
-    PYTHONPATH=src python3 benchmarks/seesaw_breakdown.py
+    PYTHONPATH=src python3 benchmarks/seesaw_breakdown.py [--modes no_tiles] [--shapes 16,1,16384 ...]
 
 Variants of ``mla/ops/triton/decode_gluon.py`` made by editing its source text (see
 variants.py), timed beside the kernel as shipped by the method of ``mla bench decode`` (CUDA
@@ -17,6 +17,7 @@ wrong by design:
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -66,16 +67,26 @@ def variant_source(mode: str) -> str:
     return edit(src, "@gluon.jit\ndef _qk(", _NOMMA)
 
 
-def main() -> int:
+MODES = ("no_load", "no_mma", "no_qk", "no_pv", "no_tiles")
+SHAPES = ["128,128,16384", "128,32,4096", "128,128,1024", "128,32,1024"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--shapes", nargs="+", default=SHAPES, help="H,B,L (heads, batch, cache length)")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    if any(len(s) != 3 for s in shapes):
+        raise ValueError(f"shapes: expected H,B,L triples, got {args.shapes}")
     if not torch.cuda.is_available():
         sys.exit("seesaw_breakdown: needs a CUDA GPU")
     from mla.ops.triton import decode_gluon as shipped
 
-    modes = ("no_load", "no_mma", "no_qk", "no_pv", "no_tiles")
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {"shipped": shipped, **{m: load_module(variant_source(m), f"seesaw_{m}", tmp) for m in modes}}
+        kernels = {"shipped": shipped, **{m: load_module(variant_source(m), f"seesaw_{m}", tmp) for m in args.modes}}
         print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{k + ' us':>11}" for k in kernels) + "  err (shipped)")
-        for H, B, L in [(128, 128, 16384), (128, 32, 4096), (128, 128, 1024), (128, 32, 1024)]:
+        for H, B, L in shapes:
             c = bench.decode_case(H, B, L, 1, 64)
 
             def launch(kv, mod, c=c):
