@@ -1,0 +1,64 @@
+"""How the split count of the Hopper decode kernels trades parallelism against the float32
+partials each split writes and the combine reads back (512 x 4 bytes per query row and split,
+about 1.8 keys' worth of cache per row).
+
+    PYTHONPATH=src python3 benchmarks/splits_sweep.py [--shapes 128,1,16384,1 ...]
+
+Per shape (H,B,L,s_q): the kernel ``mla.ops`` dispatches to, timed by ``mla bench decode``'s
+method at its default split count and at halves and doubles of it; prints times over the
+default's, so a better default shows as a ratio below 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from variants import time_launchers  # noqa: E402
+
+from mla import bench  # noqa: E402
+
+SHAPES = ["16,1,4096,1", "16,1,16384,1", "16,32,1024,1", "16,32,4096,1", "128,1,4096,1", "128,1,16384,1",
+          "128,1,16384,2", "128,32,1024,1", "128,32,4096,1", "128,32,1024,2"]
+FACTORS = (0.25, 0.5, 1, 2)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=SHAPES, help="H,B,L,s_q")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    if any(len(s) != 4 for s in shapes):
+        raise ValueError(f"shapes: expected H,B,L,s_q quadruples, got {args.shapes}")
+    if not torch.cuda.is_available():
+        sys.exit("splits_sweep: needs a CUDA GPU")
+    from mla.ops.triton import decode, decode_gluon, decode_gluon_narrow
+
+    print(f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kernel':>7} {'S':>4} {'us':>8}  "
+          + " ".join(f"{'S x' + str(f):>11}" for f in FACTORS) + "  (time / default's)")
+    for H, B, L, s_q in shapes:
+        c = bench.decode_case(H, B, L, s_q, 64)
+        narrow = decode.use_narrow(c["q"], c["kv"])
+        fn = decode_gluon_narrow.launch_narrow if narrow else decode_gluon.launch_gluon
+        s0 = decode_gluon.default_splits(B, H * s_q, c["table"].shape[1] * c["page"], c["q"].device)
+        counts = {f: max(1, min(round(s0 * f), L // 32)) for f in FACTORS}
+
+        def launch(kv, S, c=c, fn=fn):
+            return fn(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True, num_splits=S)[0]
+        launchers = {S: (lambda kv, S=S: launch(kv, S)) for S in sorted(set(counts.values()))}
+        times, err = time_launchers(c, launchers, checked=s0)
+        t0 = times[s0]
+        cols = " ".join(f"{times[counts[f]] / t0:.3f}({counts[f]})".rjust(11) for f in FACTORS)
+        print(f"{H:>4} {B:>4} {L:>6} {s_q:>3} {'narrow' if narrow else 'seesaw':>7} {s0:>4} {t0:8.1f}  {cols}"
+              f"  err {err:.1e}", flush=True)
+        del c, launchers
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
