@@ -14,6 +14,8 @@ wrong by design:
   no_pv     only the P V MMAs left out
   no_tiles  no key tiles at all: launch, query loads, the end of the partitions, the stores and
             the combine, i.e. each program's fixed cost (what 1k-key rows pay besides their tiles)
+  no_tiles_q      no_tiles, and the query loads masked off
+  no_tiles_store  no_tiles, and the output (or partial) stores masked off
 """
 from __future__ import annotations
 
@@ -42,8 +44,14 @@ def _qk('''
 
 def variant_source(mode: str) -> str:
     src = absolute_imports(SRC.read_text())
-    if mode == "no_tiles":
-        return edit(src, "n_tiles = gl.maximum(end - start + BN - 1, 0) // BN", "n_tiles = gl.minimum(end - start, 0)")
+    if mode in ("no_tiles", "no_tiles_q", "no_tiles_store"):
+        src = edit(src, "n_tiles = gl.maximum(end - start + BN - 1, 0) // BN", "n_tiles = gl.minimum(end - start, 0)")
+        if mode == "no_tiles_q":       # nor the query loads (all masked off)
+            src = edit(src, "qmask = (rows < H * S_Q)", "qmask = (rows < 0)")
+            src = edit(src, "mask = (rows < H * S_Q)[:, None] & (cols < 64)", "mask = (rows < 0)[:, None] & (cols < 64)")
+        if mode == "no_tiles_store":   # nor the stores of the output or partials (masked off)
+            src = edit(src, "mask=(mo < H * S_Q)[:, None]", "mask=(mo < 0)[:, None]")
+        return src
     if mode == "no_load":   # the seesaw's loader path (the tile released in halves)
         for c, dst in (("[row0, c * 64]", "ring.index(buf).slice(c * 64, 64, dim=1))"),
                        ("[row0, 512]", "ring_pe.index(buf))")):
@@ -67,7 +75,7 @@ def variant_source(mode: str) -> str:
     return edit(src, "@gluon.jit\ndef _qk(", _NOMMA)
 
 
-MODES = ("no_load", "no_mma", "no_qk", "no_pv", "no_tiles")
+MODES = ("no_load", "no_mma", "no_qk", "no_pv", "no_tiles", "no_tiles_q", "no_tiles_store")
 SHAPES = ["128,128,16384", "128,32,4096", "128,128,1024", "128,32,1024"]
 
 
