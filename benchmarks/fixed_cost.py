@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
             def launch(kv, mod, c=c, fn=fn):
                 return getattr(mod, fn)(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
-            launchers = {n: (lambda kv, mod=mods[kern][n]: launch(kv, mod)) for n in names}
+            launchers = {n: (lambda kv, mod=mods[kern][n], launch=launch: launch(kv, mod)) for n in names}
             times, err = time_launchers(c, launchers)
             rows.append([(H, B, L, s_q), kern, times, err])
             cases.append((c, launchers["shipped"]))
