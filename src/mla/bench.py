@@ -352,7 +352,8 @@ def decode_table(rows) -> str:
 
 
 def decode_summary(rows) -> str:
-    """One line per shape: the public op as dispatched, the fastest kernel timed by name, the peers."""
+    """One line per shape: the public op as dispatched, the fastest kernel timed by name, the peers;
+    TB/s, TFLOP/s and roofline fraction of the op (of the fastest named kernel without it)."""
     head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'mla.ops':>8} {'best':>8} {'variant':<15} {'fa3':>8} "
             f"{'naive':>8} {'op/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} {'roof':>5}")
     out = [head]
@@ -371,7 +372,7 @@ def decode_summary(rows) -> str:
         rat = lambda r: f"{r['us'] / f['us']:.2f}" if r and f else "-"  # noqa: E731
         out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {k[4]:>8} {fmt(d)} {fmt(best)} "
                    f"{(best['provider'] if best else '-'):<15} {fmt(f)} {fmt(n)} {rat(d):>7} {rat(best):>8} "
-                   + (f"{best['TBps']:5.2f} {best['TFLOPs']:5.0f} {best['roof']:5.0%}" if best else ""))
+                   + (f"{m['TBps']:5.2f} {m['TFLOPs']:5.0f} {m['roof']:5.0%}" if (m := d or best) else ""))
     return "\n".join(out)
 
 
