@@ -271,3 +271,21 @@ def test_combine_rejects_strided_rows():
     with pytest.raises(ValueError, match="o_part and out need unit stride"):
         decode.combine(o_part, l_part, out, lse)
     assert (out == 7.0).all() and (lse == 7.0).all()
+
+
+def test_gluon_split_rule_on_132_sms(monkeypatch):
+    # host-only: about sqrt(b L / (c B rows)) splits per sequence, each a whole number of 64-key
+    # tiles, within one wave of one-per-SM programs (the counts measured best on the H200, or
+    # the effective counts of the caps: 66 splits of 16k keys run as 64 of 256)
+    from mla.ops.triton import decode_gluon as dg
+
+    monkeypatch.setattr(dg, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    cases = {  # (B, rows, L): splits
+        (1, 128, 1024): 16, (1, 128, 2048): 32, (1, 128, 4096): 32, (1, 128, 8192): 43, (1, 128, 16384): 64,
+        (1, 256, 2048): 16, (1, 256, 4096): 22, (1, 256, 16384): 32, (1, 64, 16384): 86,
+        (1, 16, 1024): 16, (1, 16, 4096): 64, (1, 16, 16384): 128, (32, 16, 1024): 4, (32, 128, 4096): 2,
+        (128, 128, 1024): 1, (4, 128, 4096): 16, (1, 128, 131072): 64, (1, 128, 100): 2,
+    }
+    for (B, rows, L), want in cases.items():
+        assert dg.default_splits(B, rows, L, dev) == want, (B, rows, L)

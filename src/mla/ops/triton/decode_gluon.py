@@ -47,6 +47,8 @@ q's dtype) into its K buffer, zeroing tail rows; the rest is the same.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -624,10 +626,19 @@ def default_block_n(B: int, rows: int) -> int:
 
 
 def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> int:
-    """Splits of the cache per sequence: about ``waves`` waves of 1-CTA-per-SM programs."""
+    """Splits of the cache per sequence. More splits give each program fewer keys, but each
+    split leaves float32 partials (2 KB per query row) to write and combine: a step takes about
+    a + b L / S + c B rows S, best at S = sqrt(b L / (c B rows)). Fitted on the H200
+    (benchmarks/splits_sweep.py, 128 heads, batch 1, 4k: b = 0.019 us per key, c = 0.49 ns per
+    row and split) that is 6.2 sqrt(L / (B rows)); capped at ``waves`` waves of one-per-SM
+    programs and one split per 64 keys (docs/PERF.md, "Fixed costs")."""
     ctas = B * triton.cdiv(rows, _BLOCK_M)
     per_seq = max(1, waves * _num_sms(device.index or 0) // max(ctas, 1))
-    return max(1, min(per_seq, triton.cdiv(max_len, _BLOCK_N)))
+    balanced = 6.2 * math.sqrt(max_len / max(B * rows, 1))
+    # whole 64-key tiles per split (the kernel rounds a split up to them; other counts leave
+    # splits empty), as many tiles as the balance asks and at least what one wave needs
+    tiles = max(1, round(max_len / (_BLOCK_N * balanced)), triton.cdiv(max_len, _BLOCK_N * per_seq))
+    return triton.cdiv(max_len, _BLOCK_N * tiles)
 
 
 def _descriptors(kv_cache, fmt: int, block_n: int, gdt):
