@@ -30,15 +30,19 @@ half the work and the GEMMs, the softmax and the loads ran one after another; th
                 loader's first TMA does not wait for them
     per pair of tiles (2i in K0, 2i+1 in K1); WG0 owns output columns 0..255, WG1 256..511:
       WG0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 -> shared; O_L = O_L a0 + P0 V0_L
-      WG1: S1 = Q K1^T (alongside WG0's); waits P0; m1 = max(m0, rowmax S1); P1 -> shared
+      WG1: S1 = Q K1^T (alongside WG0's); P1' = exp(S1 - max(m, rowmax S1)) meanwhile;
+           waits P0; m1 = max(m0, rowmax S1); P1 = P1' rescaled to m1 -> shared
            O_R = (O_R a0 + P0 V0_R) a1 + P1 V1_R
       WG0: waits P1; O_L = O_L a1 + P1 V1_L; m = m1
     so the two QK^T GEMMs and one warpgroup's softmax overlap the other's MMAs, and every
     GEMM has N >= 64 (each warpgroup reads Q once per 64 keys, not twice).
     l: each warpgroup sums its own P with the same rescales; the two halves add at the end.
+    output: one split with whole 64-row tiles per sequence: staged in Q's shared memory and
+    written by TMA; else (partials for the combine) stored from the MMA's registers.
 
 Masking: tail rows zeroed in shared memory by the tile's owner before
-its QK^T (NaN there would survive 0 * NaN in P V), causal limits per query row.
+its QK^T (NaN there would survive 0 * NaN in P V), causal limits per query row, applied only
+on tiles some row of the tile does not see in full.
 
 FP8 rows: the loader fills a ring of FP8 staging tiles (32 keys; one mbarrier per tile) and
 the owner of each tile widens it (``_widen``: e4m3 -> fp16 exactly, kv_scale folded into the
