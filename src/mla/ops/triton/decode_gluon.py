@@ -88,21 +88,28 @@ def _s_layout(BN):
 
 
 @gluon.jit
+def _zero_tail(k_buf, kpe_buf, n0, end):
+    """Rows >= end of a loaded key tile -> 0 (they may hold NaN; 0 * NaN in P V would leak)."""
+    BN: gl.constexpr = k_buf.shape[0]
+    rl = gl.arange(0, BN, layout=gl.SliceLayout(1, _LD_L))
+    keep = (n0 + rl < end)[:, None]
+    for c in gl.static_range(8):
+        part = k_buf.slice(c * 64, 64, dim=1)
+        x = part.load(_LD_L)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    x = kpe_buf.load(_LD_L)
+    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
-        BN: gl.constexpr, S_L: gl.constexpr, LD_L: gl.constexpr, WIDENED: gl.constexpr):
+        BN: gl.constexpr, S_L: gl.constexpr, WIDENED: gl.constexpr):
     """S = Q K^T for one BN-key tile, box by box as the loads land; zero the tail rows first.
     WIDENED: the tile was written by ``_widen`` (complete, tail rows already zero)."""
     if not WIDENED and n0 + BN > end:   # tail tile: wait for everything, zero rows >= end
         for c in gl.static_range(9):
             mbarrier.wait(ready.index(buf * 9 + c), phase)
-        rl = gl.arange(0, BN, layout=gl.SliceLayout(1, LD_L))
-        keep = (n0 + rl < end)[:, None]
-        for c in gl.static_range(8):
-            part = k_buf.slice(c * 64, 64, dim=1)
-            x = part.load(LD_L)
-            part.store(gl.where(keep, x, gl.zeros_like(x)))
-        x = kpe_buf.load(LD_L)
-        kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+        _zero_tail(k_buf, kpe_buf, n0, end)
         fence_async_shared()
         gl.thread_barrier()
     s = gl.zeros([64, BN], gl.float32, S_L)
@@ -308,7 +315,6 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
     S_L: gl.constexpr = _s_layout(BN)
     ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
-    LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
     _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 0)
@@ -328,7 +334,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
             mbarrier.wait(empty.index(2 * b0), kph ^ 1)
             mbarrier.wait(empty.index(2 * b0 + 1), kph ^ 1)
             _widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
-        s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L, LD_L,
+        s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L,
                 KV_FMT != 0)
         p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L)
         l_i = l_i * a0 + rs
@@ -371,7 +377,6 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
     S_L: gl.constexpr = _s_layout(BN)
     ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
-    LD_L: gl.constexpr = _LD_L
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     dtype: gl.constexpr = q_smem.dtype
     _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 1)
@@ -392,7 +397,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
                 mbarrier.wait(empty.index(2 * b1), kph ^ 1)
                 mbarrier.wait(empty.index(2 * b1 + 1), kph ^ 1)
                 _widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), n1, end, KV_FMT)
-            s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L, LD_L,
+            s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L,
                     KV_FMT != 0)
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)

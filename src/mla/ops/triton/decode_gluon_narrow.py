@@ -38,30 +38,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _widen, default_splits, launch_dependents,
-                           supports)
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _widen, _zero_tail, default_splits,
+                           launch_dependents, supports)
 
 __all__ = ["launch_narrow", "narrow_rows"]
-
-_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
 def _acc_layout(R):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16])
-
-
-@gluon.jit
-def _zero_tail(k_buf, kpe_buf, n0, end):
-    """Rows >= end of a loaded 64-key tile -> 0 (they may hold NaN; 0 * NaN in P^T V would leak)."""
-    rl = gl.arange(0, 64, layout=gl.SliceLayout(1, _LD_L))
-    keep = (n0 + rl < end)[:, None]
-    for c in gl.static_range(8):
-        part = k_buf.slice(c * 64, 64, dim=1)
-        x = part.load(_LD_L)
-        part.store(gl.where(keep, x, gl.zeros_like(x)))
-    x = kpe_buf.load(_LD_L)
-    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
 
 
 @gluon.jit
