@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from seesaw_breakdown import variant_source as seesaw_source  # noqa: E402
-from variants import KERNELS, absolute_imports, edit, load_module, time_launchers  # noqa: E402
+from variants import KERNELS, absolute_imports, edit, load_module, parse_shapes, time_launchers  # noqa: E402
 
 from mla import bench  # noqa: E402
 
@@ -63,9 +63,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="H,B,L,s_q")
     args = p.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    if any(len(s) != 4 for s in shapes):
-        raise ValueError(f"shapes: expected H,B,L,s_q quadruples, got {args.shapes}")
+    shapes = parse_shapes(args.shapes, "H,B,L,s_q")
     if not torch.cuda.is_available():
         sys.exit("fixed_cost: needs a CUDA GPU")
     from mla.ops.triton import decode, decode_gluon, decode_gluon_narrow

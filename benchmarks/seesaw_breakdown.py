@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from variants import KERNELS, absolute_imports, edit, load_module, time_launchers  # noqa: E402
+from variants import KERNELS, absolute_imports, edit, load_module, parse_shapes, time_launchers  # noqa: E402
 
 from mla import bench  # noqa: E402
 
@@ -84,9 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="H,B,L (heads, batch, cache length)")
     args = p.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    if any(len(s) != 3 for s in shapes):
-        raise ValueError(f"shapes: expected H,B,L triples, got {args.shapes}")
+    shapes = parse_shapes(args.shapes, "H,B,L")
     if not torch.cuda.is_available():
         sys.exit("seesaw_breakdown: needs a CUDA GPU")
     from mla.ops.triton import decode_gluon as shipped

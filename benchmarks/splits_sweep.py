@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from variants import time_launchers  # noqa: E402
+from variants import parse_shapes, time_launchers  # noqa: E402
 
 from mla import bench  # noqa: E402
 
@@ -34,9 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-n", type=int, nargs="+", default=None, choices=[32, 64],
                    help="also sweep the seesaw's key tile (default: its own choice only)")
     args = p.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    if any(len(s) != 4 for s in shapes):
-        raise ValueError(f"shapes: expected H,B,L,s_q quadruples, got {args.shapes}")
+    shapes = parse_shapes(args.shapes, "H,B,L,s_q")
     if not torch.cuda.is_available():
         sys.exit("splits_sweep: needs a CUDA GPU")
     from mla.ops.triton import decode, decode_gluon, decode_gluon_narrow

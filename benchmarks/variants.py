@@ -25,6 +25,16 @@ def absolute_imports(src: str) -> str:
     return edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
 
 
+def parse_shapes(items: list[str], fields: str) -> list[tuple[int, ...]]:
+    """Command-line shapes "16,1,4096" -> (16, 1, 4096), each with one integer per name in
+    fields (e.g. "H,B,L")."""
+    n = len(fields.split(","))
+    shapes = [tuple(int(x) for x in s.split(",")) for s in items]
+    if any(len(s) != n for s in shapes):
+        raise ValueError(f"shapes: expected {fields} ({n} integers each), got {items}")
+    return shapes
+
+
 def load_module(src: str, name: str, workdir: Path):
     path = Path(workdir) / f"{name}.py"
     path.write_text(src)

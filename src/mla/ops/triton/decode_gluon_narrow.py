@@ -25,8 +25,6 @@ each query's causal limit at -inf.
 from __future__ import annotations
 
 import torch
-import triton
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
