@@ -5,20 +5,64 @@
 One layer with DeepSeek-V3 dimensions and random unit-scale weights serves a prompt and
 decode steps; every step's output is compared with the same layer in float32 on a float32
 cache. Rows: a bf16 layer on a bf16 cache (the baseline), on the per-tensor FP8 cache and on
-the tile-scaled FP8 cache; and the FP8 checkpoint path (128x128 block-quantized weights).
+the tile-scaled FP8 cache; and the FP8 checkpoint path (128x128 block-quantized weights). "FP8 MMAs" replaces the
+decode op by an emulation of what e4m3 tensor-core MMAs would compute over the per-tensor FP8
+cache (``fp8_mma_decode``): the route to more than the bf16 kernel's throughput (docs/PERF.md,
+issue 6), whose accuracy is what this row measures.
 """
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
 import mla
+from mla import ops
 from mla.demo import random_state_dict
+from mla.ops.reference import gather_rows
 from mla.weights import quantize_checkpoint_fp8
 
+E4M3_MAX = 448.0
 
-def run(cfg, sd, dtype, cache_dtype, device, steps, scaling="tensor"):
+
+def fp8_mma_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *, kv_scale=1.0,
+                   backend=None, e4m3_q=True, e4m3_p=True):
+    """``mla.ops.mla_decode`` over a per-tensor FP8 cache as e4m3 MMAs would compute it, in
+    float32: query rows quantized to e4m3 with a scale per row (amax / 448), S = q8 k8^T summed
+    exactly, P = exp(S - lse) (<= 1) quantized to e4m3 with scale 1 / 448, O = P8 v8; the row
+    sums stay float32. The keys and values are the cache's e4m3 values as stored. e4m3_q /
+    e4m3_p False: that operand stays float32 (to see which quantization costs what)."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_cache: expected the per-tensor float8_e4m3fn cache, got {kv_cache.dtype}")
+    B, s_q, H, _ = q.shape
+    out = torch.zeros(B, s_q, H, head_dim_v, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if n <= 0 or s_q == 0:
+            continue
+        kv = gather_rows(kv_cache, block_table[b], n).float()                # e4m3 values
+        qb = q[b].float().transpose(0, 1)                                     # [H, s_q, d]
+        sq = qb.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3_MAX
+        q8 = (qb / sq).to(torch.float8_e4m3fn).float() if e4m3_q else qb / sq
+        scores = (q8 @ kv.T) * (sq * kv_scale * softmax_scale)
+        limit = n - s_q + 1 + torch.arange(s_q, device=q.device) if causal else torch.full((s_q,), n)
+        scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= limit[:, None], float("-inf"))
+        l = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - l.unsqueeze(-1))
+        p8 = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX if e4m3_p else p
+        out[b] = ((p8 @ kv[:, :head_dim_v]) * kv_scale).transpose(0, 1)
+        lse[b] = l.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def run(cfg, sd, dtype, cache_dtype, device, steps, scaling="tensor", decode_op=None):
+    if decode_op is not None:
+        shipped, ops.mla_decode = ops.mla_decode, decode_op
+        try:
+            return run(cfg, sd, dtype, cache_dtype, device, steps, scaling)
+        finally:
+            ops.mla_decode = shipped
     layer = mla.MLA(cfg, dtype=dtype, device=device)
     layer.load_hf_state_dict(sd)
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=64, dtype=cache_dtype, device=device,
@@ -44,6 +88,12 @@ def main(argv=None):
     rows = [("bf16 layer, bf16 cache", run(cfg, sd, torch.bfloat16, torch.bfloat16, args.device, steps)),
             ("bf16 layer, fp8 cache (per-tensor)", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps)),
             ("bf16 layer, fp8 cache (tile)", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps, "tile")),
+            ("bf16 layer, fp8 cache, FP8 MMAs", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps,
+                                                   decode_op=fp8_mma_decode)),
+            ("  the same, e4m3 queries only", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps,
+                                                decode_op=partial(fp8_mma_decode, e4m3_p=False))),
+            ("  the same, e4m3 P only", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps,
+                                          decode_op=partial(fp8_mma_decode, e4m3_q=False))),
             ("fp32 layer on FP8 block weights", run(cfg, sd8, torch.float32, torch.float32, args.device, steps))]
     print(f"DeepSeek-V3 attention, {args.heads} heads, steps {steps} (prompt, decodes, 1+3 drafts), "
           f"relative error vs float32 per step")
