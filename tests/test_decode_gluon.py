@@ -98,10 +98,12 @@ def test_explicit_splits_and_empty_splits(splits, block_n):
 
 @pytest.mark.parametrize("block_n", TILES)
 @pytest.mark.parametrize("H,s_q,dtype,kv_fmt", [(128, 1, torch.bfloat16, "plain"), (64, 2, torch.float16, "plain"),
-                                               (32, 4, torch.bfloat16, "fp8_tile"), (128, 1, torch.bfloat16, "fp8")])
+                                               (32, 4, torch.bfloat16, "fp8_tile"), (128, 1, torch.bfloat16, "fp8"),
+                                               (64, 1, torch.float16, "fp8")])
 def test_one_split_whole_row_tiles(H, s_q, dtype, kv_fmt, block_n):
     # one split and rows a multiple of 64: the output is staged in shared memory and written by
-    # TMA (fp8 rows with a bf16 output: fp16 MMAs, so stores from registers); empty sequences too
+    # TMA (fp8 rows with a bf16 output: fp16 MMAs, so stores from registers; with an fp16
+    # output, TMA again); empty sequences too
     if kv_fmt != "plain" and block_n == 64:
         pytest.skip("FP8 rows are read in tiles of 32 keys")
     check([0, s_q, 700, 4099, 64], s_q, H, dtype=dtype, seed=H + s_q, kv_fmt=kv_fmt, num_splits=1, block_n=block_n)
