@@ -26,13 +26,26 @@ from mla.weights import quantize_checkpoint_fp8
 E4M3_MAX = 448.0
 
 
+def _e4m3(x: torch.Tensor, split: bool, bound: float | None = None) -> torch.Tensor:
+    """x as the MMA would see it: e4m3 with a scale per row (amax / 448; bound / 448 when every
+    value is known to be <= bound, as P <= 1 is: one scale for all tiles), or, split, as the
+    sum of two such terms (the second carries the first's rounding error, at most 1/16 of the
+    value: two FP8 MMAs instead of one, about bf16's precision)."""
+    def once(t, b):
+        s = (t.abs().amax(-1, keepdim=True).clamp_min(1e-30) if b is None else b) / E4M3_MAX
+        return (t / s).to(torch.float8_e4m3fn).float() * s
+    hi = once(x, bound)
+    return hi + once(x - hi, None if bound is None else bound / 16) if split else hi
+
+
 def fp8_mma_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *, kv_scale=1.0,
-                   backend=None, e4m3_q=True, e4m3_p=True):
+                   backend=None, e4m3_q=True, e4m3_p=True, split=False):
     """``mla.ops.mla_decode`` over a per-tensor FP8 cache as e4m3 MMAs would compute it, in
     float32: query rows quantized to e4m3 with a scale per row (amax / 448), S = q8 k8^T summed
     exactly, P = exp(S - lse) (<= 1) quantized to e4m3 with scale 1 / 448, O = P8 v8; the row
     sums stay float32. The keys and values are the cache's e4m3 values as stored. e4m3_q /
-    e4m3_p False: that operand stays float32 (to see which quantization costs what)."""
+    e4m3_p False: that operand stays float32 (to see which quantization costs what); split: each
+    quantized operand is the sum of two e4m3 terms (``_e4m3``)."""
     if kv_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"kv_cache: expected the per-tensor float8_e4m3fn cache, got {kv_cache.dtype}")
     B, s_q, H, _ = q.shape
@@ -43,14 +56,13 @@ def fp8_mma_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
             continue
         kv = gather_rows(kv_cache, block_table[b], n).float()                # e4m3 values
         qb = q[b].float().transpose(0, 1)                                     # [H, s_q, d]
-        sq = qb.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3_MAX
-        q8 = (qb / sq).to(torch.float8_e4m3fn).float() if e4m3_q else qb / sq
-        scores = (q8 @ kv.T) * (sq * kv_scale * softmax_scale)
+        q8 = _e4m3(qb, split) if e4m3_q else qb
+        scores = (q8 @ kv.T) * (kv_scale * softmax_scale)
         limit = n - s_q + 1 + torch.arange(s_q, device=q.device) if causal else torch.full((s_q,), n)
         scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= limit[:, None], float("-inf"))
         l = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - l.unsqueeze(-1))
-        p8 = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX if e4m3_p else p
+        p8 = _e4m3(p, split, bound=1.0) if e4m3_p else p
         out[b] = ((p8 @ kv[:, :head_dim_v]) * kv_scale).transpose(0, 1)
         lse[b] = l.transpose(0, 1)
     return out.to(q.dtype), lse
@@ -94,6 +106,8 @@ def main(argv=None):
                                                 decode_op=partial(fp8_mma_decode, e4m3_p=False))),
             ("  the same, e4m3 P only", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device, steps,
                                           decode_op=partial(fp8_mma_decode, e4m3_q=False))),
+            ("  queries and P as two e4m3 terms", run(cfg, sd, torch.bfloat16, torch.float8_e4m3fn, args.device,
+                                                     steps, decode_op=partial(fp8_mma_decode, split=True))),
             ("fp32 layer on FP8 block weights", run(cfg, sd8, torch.float32, torch.float32, args.device, steps))]
     print(f"DeepSeek-V3 attention, {args.heads} heads, steps {steps} (prompt, decodes, 1+3 drafts), "
           f"relative error vs float32 per step")
