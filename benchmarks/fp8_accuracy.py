@@ -29,13 +29,13 @@ E4M3_MAX = 448.0
 def _e4m3(x: torch.Tensor, split: bool, bound: float | None = None) -> torch.Tensor:
     """x as the MMA would see it: e4m3 with a scale per row (amax / 448; bound / 448 when every
     value is known to be <= bound, as P <= 1 is: one scale for all tiles), or, split, as the
-    sum of two such terms (the second carries the first's rounding error, at most 1/16 of the
-    value: two FP8 MMAs instead of one, about bf16's precision)."""
-    def once(t, b):
-        s = (t.abs().amax(-1, keepdim=True).clamp_min(1e-30) if b is None else b) / E4M3_MAX
-        return (t / s).to(torch.float8_e4m3fn).float() * s
-    hi = once(x, bound)
-    return hi + once(x - hi, None if bound is None else bound / 16) if split else hi
+    sum of two e4m3 terms under that same scale (the second carries the first's rounding error:
+    two FP8 MMAs into one accumulator instead of one MMA, about bf16's precision)."""
+    s = (x.abs().amax(-1, keepdim=True).clamp_min(1e-30) if bound is None else bound) / E4M3_MAX
+    hi = (x / s).to(torch.float8_e4m3fn).float()
+    if split:
+        hi = hi + (x / s - hi).to(torch.float8_e4m3fn).float()
+    return hi * s
 
 
 def fp8_mma_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *, kv_scale=1.0,
