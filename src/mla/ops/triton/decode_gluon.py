@@ -196,11 +196,8 @@ def _scaled(s, n0, end, limit, full_to, qk_scale, BN: gl.constexpr, S_L: gl.cons
 @gluon.jit
 def _probs(s, n0, end, limit, full_to, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
     """Masked scores in base 2 -> (P, new max, rescale of the old max, row sums of P)."""
-    s = _scaled(s, n0, end, limit, full_to, qk_scale, BN, S_L)
-    m_new = gl.maximum(m_ref, gl.max(s, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[:, None])
-    return p, m_new, gl.exp2(m_ref - m_safe), gl.sum(p, axis=1)
+    p, m_new, rs = _probs_own(s, n0, end, limit, full_to, m_ref, qk_scale, BN, S_L)
+    return p, m_new, gl.exp2(m_ref - gl.where(m_new == float("-inf"), 0.0, m_new)), rs
 
 
 @gluon.jit
