@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mods = {"seesaw": {"shipped": decode_gluon}, "narrow": {"shipped": decode_gluon_narrow}}
-        for kern, source, base in (("seesaw", seesaw_source, decode_gluon), ("narrow", narrow_source, decode_gluon_narrow)):
-            solo = load_module(absolute_imports((KERNELS / base.__name__.split(".")[-1]).with_suffix(".py").read_text()),
-                               f"{kern}_solo", tmp)
+        for kern, source, file in (("seesaw", seesaw_source, "decode_gluon.py"),
+                                   ("narrow", narrow_source, "decode_gluon_narrow.py")):
+            solo = load_module(absolute_imports((KERNELS / file).read_text()), f"{kern}_solo", tmp)
             solo.combine = lambda *a: None
             mods[kern]["no_combine"] = solo
             for m in ("no_tiles", "no_tiles_store"):
