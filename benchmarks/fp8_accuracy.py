@@ -20,7 +20,7 @@ import torch
 import mla
 from mla import ops
 from mla.demo import random_state_dict
-from mla.ops.reference import gather_rows
+from mla.ops.reference import decode_visible, gather_rows
 from mla.weights import quantize_checkpoint_fp8
 
 E4M3_MAX = 448.0
@@ -58,8 +58,7 @@ def fp8_mma_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         qb = q[b].float().transpose(0, 1)                                     # [H, s_q, d]
         q8 = _e4m3(qb, split) if e4m3_q else qb
         scores = (q8 @ kv.T) * (kv_scale * softmax_scale)
-        limit = n - s_q + 1 + torch.arange(s_q, device=q.device) if causal else torch.full((s_q,), n)
-        scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= limit[:, None], float("-inf"))
+        scores = scores.masked_fill(~decode_visible(n, s_q, causal, q.device), float("-inf"))
         l = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - l.unsqueeze(-1))
         p8 = _e4m3(p, split, bound=1.0) if e4m3_p else p

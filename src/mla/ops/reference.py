@@ -29,6 +29,15 @@ def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor)
     return p @ v, lse
 
 
+def decode_visible(n: int, s_q: int, causal: bool, device) -> torch.Tensor:
+    """[s_q, n] bool: which of a sequence's n cached keys each of its s_q new queries sees
+    (causal: query i sees keys < n - s_q + i + 1; else all)."""
+    if not causal:
+        return torch.ones(s_q, n, dtype=torch.bool, device=device)
+    limit = n - s_q + 1 + torch.arange(s_q, device=device)
+    return torch.arange(n, device=device)[None, :] < limit[:, None]
+
+
 def gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` rows of one sequence from a paged cache [num_blocks, block_size, d]."""
     block_size = kv_cache.shape[1]
@@ -61,13 +70,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         kv = dequantize_rows(gather_rows(kv_cache, block_table[b], n), fmt, head_dim_v, torch.float32, kv_scale)
         qb = q[b].float().transpose(0, 1)                                # [H, s_q, d]
         scores = (qb @ kv.T) * softmax_scale                             # [H, s_q, n]
-        key = torch.arange(n, device=q.device)
-        if causal:
-            limit = n - s_q + 1 + torch.arange(s_q, device=q.device)     # keys < limit[i]
-            visible = key[None, :] < limit[:, None]
-        else:
-            visible = torch.ones(s_q, n, dtype=torch.bool, device=q.device)
-        o, l = softmax_attend(scores, visible[None], kv[:, :head_dim_v])
+        o, l = softmax_attend(scores, decode_visible(n, s_q, causal, q.device)[None], kv[:, :head_dim_v])
         out[b] = o.transpose(0, 1)
         lse[b] = l.transpose(0, 1)
     return out.to(q.dtype), lse
