@@ -6,9 +6,10 @@ Providers of prefill_attention share one signature (packed varlen q, k, v, cu_se
 our Triton kernel in several tile configs, the library op (``mla.ops.prefill_attention``,
 which applies the rule in ``mla/ops/triton/prefill.py``), PyTorch's cuDNN attention with
 log-sum-exp, SDPA's default (no LSE), the memory-efficient and flash kernels through their
-aten ops, and the float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is
-timed twice, in opposite orders, and the faster time kept. FLOPs count the visible
-(query, key) pairs: 2 * H * (dq + dv) per pair.
+aten ops, FlashInfer's fa3 ragged prefill where it imports (a peer, with LSE), and the
+float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is timed twice, in
+opposite orders, and the faster time kept. FLOPs count the visible (query, key) pairs:
+2 * H * (dq + dv) per pair.
 rope_append, gather_latent and merge_attention are reported in GB/s of the fewest bytes
 they must move, against the 4.28 TB/s device copy ceiling.
 """
@@ -92,6 +93,21 @@ def _providers():
     def op(q, k, v, cq, ck, lq, lk, s):     # with the longest lengths, as the layer passes them
         return prefill_attention(q, k, v, cq, ck, s, True, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
 
+    fi_plans = {}
+
+    def flashinfer_fa3(q, k, v, cq, ck, lq, lk, s):    # FlashInfer's ragged prefill (a peer), with LSE
+        import flashinfer
+
+        key = (tuple(lq), tuple(lk), q.shape[1], s)
+        if key not in fi_plans:   # plan once per shape, outside the timed call
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device=q.device), "NHD", backend="fa3")
+            w.plan(cq, ck, q.shape[1], k.shape[1], DQ, head_dim_vo=DV, causal=True, sm_scale=s,
+                   q_data_type=q.dtype, kv_data_type=k.dtype)
+            fi_plans[key] = w
+        o, lse = fi_plans[key].run(q, k, v, return_lse=True)
+        return o, lse * math.log(2)   # FlashInfer's LSE is in base 2
+
     def naive(q, k, v, cq, ck, lq, lk, s):  # the float32 PyTorch reference: [H, n, n] scores per sequence
         if max(lq) * max(lk) > NAIVE_MAX_PAIRS:
             return None
@@ -108,6 +124,7 @@ def _providers():
         "cudnn_varlen": cudnn_varlen,   # ~50 ms a call on torch 2.11: a graph built per call?
         "eff_varlen": eff_varlen,
         "flash_vpad": flash_vpad,
+        "flashinfer_fa3": flashinfer_fa3,
         "naive": naive,
     }
 
