@@ -374,6 +374,12 @@ PREFILL_BAD = {
     "max_seqlen_q too large": ("max_seqlen_q", lambda a: 8),
     "max_seqlen_k float": ("max_seqlen_k", lambda a: 5.0),
     "max_seqlen_k bool": ("max_seqlen_k", lambda a: True),
+    "offsets_q device tensor": ("offsets_q", lambda a: a["cu_seqlens_q"]),
+    "offsets_q length": ("offsets_q", lambda a: (0, 7)),
+    "offsets_q wrong total": ("offsets_q", lambda a: (0, 3, 8)),
+    "offsets_k decreasing": ("offsets_k", lambda a: (0, 10, 9)),
+    "offsets_k not from 0": ("offsets_k", lambda a: (1, 4, 9)),
+    "offsets_k float": ("offsets_k", lambda a: (0, 4.0, 9)),
 }
 
 
@@ -392,6 +398,8 @@ def test_ops_prefill_values():
     out, lse = mla.ops.prefill_attention(**a, backend="torch")
     for backend in ("torch", "triton"):   # the host hints change no value
         hinted = mla.ops.prefill_attention(**a, max_seqlen_q=4, max_seqlen_k=5, backend=backend)
+        torch.testing.assert_close(hinted, (out, lse), rtol=1e-5, atol=1e-6)
+        hinted = mla.ops.prefill_attention(**a, offsets_q=[0, 3, 7], offsets_k=(0, 4, 9), backend=backend)
         torch.testing.assert_close(hinted, (out, lse), rtol=1e-5, atol=1e-6)
     for (q0, q1), (k0, k1) in (((0, 3), (0, 4)), ((3, 7), (4, 9))):
         nq, nk = q1 - q0, k1 - k0

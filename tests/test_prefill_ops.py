@@ -245,24 +245,74 @@ def test_gather_latent_cpu(dtype):
 # ------------------------------------------------------------------------- GPU, real shapes
 
 
-@gpu
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("lq,lk", [([1000, 0, 2048], [1000, 0, 2048]), ([300, 513], [4096, 513]),
-                                   ([1024] * 4, [1024] * 4)])
-def test_prefill_attention_gpu(heads, lq, lk):
+def _check_prefill_gpu(heads, lq, lk, causal=True, **kw):
     dq, dv = 192, 128
     cu_q, cu_k = _cu(lq, "cuda"), _cu(lk, "cuda")
     q = torch.randn(sum(lq), heads, dq, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lk), heads, dq, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(lk), heads, dv, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(dq)
-    out, lse = prefill_attention(q, k, v, cu_q, cu_k, scale, True)
-    ref_o, ref_l = _attention(q, k, v, cu_q, cu_k, scale, True, torch.float64)
-    pt_o, _ = _attention(q, k, v, cu_q, cu_k, scale, True, torch.bfloat16)
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, scale, causal, **kw)
+    ref_o, ref_l = _attention(q, k, v, cu_q, cu_k, scale, causal, torch.float64)
+    pt_o, _ = _attention(q, k, v, cu_q, cu_k, scale, causal, torch.bfloat16)
     err, pt_err = (out.double() - ref_o).abs().max().item(), (pt_o.double() - ref_o).abs().max().item()
-    assert err <= 2 * pt_err, (err, pt_err)
+    assert out.shape == ref_o.shape and err <= 2 * pt_err, (err, pt_err)
     fin = torch.isfinite(ref_l)
     assert torch.equal(fin, torch.isfinite(lse)) and (lse.double() - ref_l)[fin].abs().max().item() < 1e-2
+    return q, k, v, cu_q, cu_k, scale
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lq,lk", [([1000, 0, 2048], [1000, 0, 2048]), ([300, 513], [4096, 513]),
+                                   ([1024] * 4, [1024] * 4)])
+def test_prefill_attention_gpu(heads, lq, lk):
+    _check_prefill_gpu(heads, lq, lk)
+
+
+def _flashinfer_or_skip():
+    from mla.ops.triton import prefill as tp
+
+    if torch.cuda.get_device_capability() != (9, 0) or tp._flashinfer() is None:
+        pytest.skip("FlashInfer's fa3 prefill: sm90 with flashinfer installed")
+    return tp
+
+
+@gpu
+@pytest.mark.parametrize("heads,lq,lk,causal", [
+    (128, [1000, 0, 2048], [1000, 0, 2048], True), (16, [300, 513], [4096, 513], True),
+    (7, [1024] * 4, [1024] * 4, True), (16, [300, 0, 77], [4096, 0, 1], False),
+    (3, [1, 129, 64], [1, 1000, 64], True)])
+def test_prefill_attention_flashinfer_gpu(heads, lq, lk, causal):
+    # host offsets given (as the layer gives them): FlashInfer serves where the rule lets it,
+    # and plans from the host (a device read would raise under the sync debug mode)
+    tp = _flashinfer_or_skip()
+    kw = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
+    q, k, v, cu_q, cu_k, scale = _check_prefill_gpu(heads, lq, lk, causal, **kw)
+    assert tp.use_flashinfer(q, v, causal, kw["offsets_q"], kw["offsets_k"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tp.prefill_attention(q, k, v, cu_q, cu_k, scale, causal, None, None, kw["offsets_q"], kw["offsets_k"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_prefill_attention_flashinfer_refuses_gpu():
+    # a causal sequence with fewer keys than queries leaves queries with no key: not
+    # FlashInfer's to define, so the Triton kernel serves (out 0, lse -inf for those rows)
+    tp = _flashinfer_or_skip()
+    lq, lk = [100, 64], [50, 64]
+    kw = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
+    q, _, v, *_ = _check_prefill_gpu(16, lq, lk, True, **kw)
+    assert not tp.use_flashinfer(q, v, True, kw["offsets_q"], kw["offsets_k"])
+    assert tp.use_flashinfer(q, v, False, kw["offsets_q"], kw["offsets_k"])
+    was, tp.FLASHINFER = tp.FLASHINFER, False
+    try:
+        assert not tp.use_flashinfer(q, v, False, kw["offsets_q"], kw["offsets_k"])
+    finally:
+        tp.FLASHINFER = was
 
 
 @gpu

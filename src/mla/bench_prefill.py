@@ -7,8 +7,8 @@ our Triton kernel in several tile configs, the library op (``mla.ops.prefill_att
 which applies the rule in ``mla/ops/triton/prefill.py``), PyTorch's cuDNN attention with
 log-sum-exp, SDPA's default (no LSE), the memory-efficient and flash kernels through their
 aten ops, FlashInfer's fa3 ragged prefill where it imports (a peer, with LSE), and the
-float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is timed twice, in
-opposite orders, and the faster time kept. FLOPs count the visible (query, key) pairs:
+float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is timed in ROUNDS
+interleaved rounds (every other one in reverse order) and its median kept. FLOPs count the visible (query, key) pairs:
 2 * H * (dq + dv) per pair.
 rope_append, gather_latent and merge_attention are reported in GB/s of the fewest bytes
 they must move, against the 4.28 TB/s device copy ceiling.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import traceback
 
@@ -27,12 +28,17 @@ PEAK_FLOPS = 790e12      # bf16 dense GEMM measured on the H200 (DESIGN.md secti
 PEAK_BYTES = 4.28e12     # device-to-device copy, read + write
 DQ, DV = 192, 128
 NAIVE_MAX_PAIRS = 4096 * 4096   # the naive provider's float32 scores: H * pairs * 4 bytes
+ROUNDS = 4                      # timing rounds per provider (time_attention)
 
 
 def _bench(fn) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e-3
+    return do_bench(fn, warmup=10, rep=25, return_mode="median") * 1e-3
+
+
+def _offsets(lengths):
+    return tuple([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))])
 
 
 def _cu(lengths):
@@ -90,8 +96,8 @@ def _providers():
         r = torch.ops.aten._flash_attention_forward(q, k, v, cq, ck, max(lq), max(lk), 0.0, True, False, scale=s)
         return r[0][..., :DV], None
 
-    def op(q, k, v, cq, ck, lq, lk, s):     # with the longest lengths, as the layer passes them
-        return prefill_attention(q, k, v, cq, ck, s, True, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    def op(q, k, v, cq, ck, lq, lk, s):     # with the offsets on the host, as the layer passes them
+        return prefill_attention(q, k, v, cq, ck, s, True, offsets_q=_offsets(lq), offsets_k=_offsets(lk))
 
     fi_plans = {}
 
@@ -177,21 +183,22 @@ def time_attention(rows, quick):
         vpad = torch.nn.functional.pad(v, (0, DQ - DV))
         cq, ck, s = _cu(lq), _cu(lk), 1 / math.sqrt(DQ)
         flops = 2 * H * (DQ + DV) * _pairs(lq, lk)
-        # two rounds, the second in reverse order, each provider's faster round kept: the
+        # ROUNDS rounds, every other one in reverse order, each provider's median kept: the
         # GPU's clock drifts under minutes of tensor work, and whoever ran first had an edge
-        # (one run had the op 13% ahead of the identical cuDNN call timed after it)
+        # (one run had the op 13% ahead of the identical cuDNN call timed after it; with two
+        # rounds and the faster kept, identical calls still differed by up to 10%)
         provs = list(_providers().items())
-        times = {}
-        for order in (provs, provs[::-1]):
-            for prov, fn in order:
+        samples = {}
+        for r in range(ROUNDS):
+            for prov, fn in (provs if r % 2 == 0 else provs[::-1]):
                 vv = vpad if prov == "flash_vpad" else v
                 try:
                     if fn(q, k, vv, cq, ck, lq, lk, s) is None:
                         continue
-                    t = _bench(lambda: fn(q, k, vv, cq, ck, lq, lk, s))
-                    times[prov] = min(t, times.get(prov, t))
+                    samples.setdefault(prov, []).append(_bench(lambda: fn(q, k, vv, cq, ck, lq, lk, s)))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name} {prov}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+        times = {p: statistics.median(ts) for p, ts in samples.items()}
         times = {p: times[p] for p, _ in provs if p in times}
         base = times.get("sdpa")
         for prov, t in times.items():

@@ -62,6 +62,8 @@ class Pass:
     group_rows: torch.Tensor | None = None   # chunked: the queries' positions among the group's rows
     max_seqlen_q: int = 0           # the longest query / key segment (host ints: no device read)
     max_seqlen_k: int = 0
+    offsets_q: tuple | None = None  # cu_seqlens_q / cu_seqlens_k as host ints
+    offsets_k: tuple | None = None
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Group:
     rows: torch.Tensor | slice      # token rows of the group, sequence order ([Tg] int64, or a slice)
     cu_seqlens: torch.Tensor | None = None   # prefill, chunked: [len(seqs) + 1] int32 offsets in rows
     max_seqlen: int = 0                      # prefill, chunked: the most new tokens of one sequence
+    offsets: tuple | None = None             # prefill, chunked: cu_seqlens as host ints
     s_q: int = 0                    # absorbed: tokens per sequence
     block_table: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
@@ -123,20 +126,23 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         out = [0]
         for x in xs:
             out.append(out[-1] + x)
-        return out
+        return tuple(out)
 
     def make_pass(seqs, starts, lens, group_offsets=None):
-        return Pass(seqs=seqs, rows=rows_of(seqs), cu_seqlens_q=ints(cumsum(batch.num_new[b] for b in seqs)),
-                    cu_seqlens_k=ints(cumsum(lens)), starts=ints(starts),
+        offsets_q, offsets_k = cumsum(batch.num_new[b] for b in seqs), cumsum(lens)
+        return Pass(seqs=seqs, rows=rows_of(seqs), cu_seqlens_q=ints(offsets_q), cu_seqlens_k=ints(offsets_k),
+                    starts=ints(starts),
                     block_table=batch.block_table[ints(seqs, torch.int64)], num_keys=sum(lens),
                     group_rows=None if group_offsets is None else ints(
                         [t for b in seqs for t in range(group_offsets[b], group_offsets[b] + batch.num_new[b])],
                         torch.int64),
-                    max_seqlen_q=max(batch.num_new[b] for b in seqs), max_seqlen_k=max(lens))
+                    max_seqlen_q=max(batch.num_new[b] for b in seqs), max_seqlen_k=max(lens),
+                    offsets_q=offsets_q, offsets_k=offsets_k)
 
     def make_group(seqs):
-        return Group(seqs, rows_of(seqs), cu_seqlens=ints(cumsum(batch.num_new[b] for b in seqs)),
-                     max_seqlen=max(batch.num_new[b] for b in seqs))
+        offsets = cumsum(batch.num_new[b] for b in seqs)
+        return Group(seqs, rows_of(seqs), cu_seqlens=ints(offsets), max_seqlen=max(batch.num_new[b] for b in seqs),
+                     offsets=offsets)
 
     by = {s: [b for b, x in enumerate(strategy) if x == s] for s in STRATEGIES}
     if by["prefill"]:

@@ -126,14 +126,17 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, max_seqlen_q=None,
-                      max_seqlen_k=None, backend=None):
+                      max_seqlen_k=None, offsets_q=None, offsets_k=None, backend=None):
     """Varlen packed attention with log-sum-exp (the expanded, "MHA" path).
 
     q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 offsets.
     causal aligns the ends: the last query of a sequence sees all its keys.
     max_seqlen_q/k: the longest query / key length, as the caller knows them on the host
-    (flash-attn's varlen convention; optional). They must be exact: with them the GPU path
-    picks its kernel without reading the offsets back (a stream sync).
+    (flash-attn's varlen convention; optional). offsets_q/k: cu_seqlens_q/k themselves as
+    host ints (a list or tuple; optional; they give max_seqlen_q/k where those are None).
+    Both must be exact: with them the GPU path picks its kernel without reading the offsets
+    back (a stream sync), and FlashInfer's prefill, where installed, plans from the host
+    offsets.
     Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -146,13 +149,24 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     _check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     _check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
     B = cu_seqlens_q.shape[0] - 1
+    for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
+        # what the host can check: B + 1 ints from 0 to the row count, never decreasing
+        _check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
+                             and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+                             and h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))),
+               f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
+    if offsets_q is not None and max_seqlen_q is None:
+        max_seqlen_q = max(b - a for a, b in zip(offsets_q, offsets_q[1:])) if B else 0
+    if offsets_k is not None and max_seqlen_k is None:
+        max_seqlen_k = max(b - a for a, b in zip(offsets_k, offsets_k[1:])) if B else 0
     for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         # what the host can check: B sequences of at most m rows hold all the rows, none more than all
         _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m),
                f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
                f"got {m!r}")
     return _impl("prefill_attention", backend, q.device)(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal), max_seqlen_q, max_seqlen_k)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal), max_seqlen_q, max_seqlen_k,
+        offsets_q, offsets_k)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):

@@ -77,9 +77,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, max_seqlen_q=None,
-                      max_seqlen_k=None):
+                      max_seqlen_k=None, offsets_q=None, offsets_k=None):
     """Varlen packed attention. q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv];
-    cu_seqlens_* [B + 1] int32. Causal aligns the ends: query i of a sequence with
+    cu_seqlens_* [B + 1] int32 (max_seqlen_* and the host offsets_* are hints for the GPU
+    paths; this reads the offsets itself). Causal aligns the ends: query i of a sequence with
     nq queries and nk keys sees keys j <= i + nk - nq.
     Returns out [Tq, H, dv] (q.dtype) and lse [Tq, H] float32.
     """

@@ -16,13 +16,18 @@ Schedule of the Triton kernel (tutorial 06, varlen):
         keys [full_end, hi):  the diagonal band, masked (causal / sequence end)
         S = q_a k_a^T + q_b k_b^T, online softmax in base 2, acc += P v
 
-Which path runs (the one place that chooses, :func:`use_cudnn`): PyTorch's cuDNN attention
-where it measured faster on the H200 (docs/PERF.md, "Prefill": equal-length batches with no
-prefix, 16-bit), else the Triton kernel. cuDNN's causal mask is aligned at the top-left,
-which equals ours only when nq == nk. The reference stays behind both in ``reference.py``.
+Which path runs (the one place that chooses, :func:`prefill_attention`): FlashInfer's fa3
+ragged prefill where it is installed and the caller gives the offsets on the host
+(:func:`use_flashinfer`; it measured fastest on the H200, docs/PERF.md "Prefill"), else
+PyTorch's cuDNN attention where it measured faster than ours (:func:`use_cudnn`:
+equal-length batches with no prefix, 16-bit), else the Triton kernel. cuDNN's causal mask is
+aligned at the top-left, which equals ours only when nq == nk; FlashInfer's at the ends, as
+ours. The reference stays behind all three in ``reference.py``.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +36,8 @@ import triton.language as tl
 
 from . import jit
 
-__all__ = ["prefill_attention", "PrefillConfig", "default_config", "launch", "use_cudnn", "cudnn_prefill"]
+__all__ = ["prefill_attention", "PrefillConfig", "default_config", "launch", "use_cudnn", "cudnn_prefill",
+           "use_flashinfer", "flashinfer_prefill"]
 
 _LOG2E = 1.4426950408889634
 _CUDNN_MIN_LEN_CHECKED = 1024   # see use_cudnn
@@ -254,14 +260,82 @@ def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
     return out, lse
 
 
+# ---------------------------------------------------------------------------------------------
+# FlashInfer's fa3 ragged prefill (an optional library: used only where it imports).
+
+# MLA_PREFILL_FLASHINFER=0 keeps the op off FlashInfer even where it is installed.
+FLASHINFER = os.environ.get("MLA_PREFILL_FLASHINFER", "1") != "0"
+_FI_DIMS = ((192, 128),)         # (dq, dv) measured on the H200: DeepSeek-V2/V3 and Kimi K2 heads
+_fi_module = []                  # [flashinfer or None], imported on first use
+_fi_workspace: dict = {}         # device -> the float scratch all wrappers of that device share
+_fi_wrappers: dict = {}          # (device, dtype, H, dq, dv, scale, causal) -> [wrapper, planned offsets]
+
+
+def _flashinfer():
+    if not _fi_module:
+        try:
+            import flashinfer
+        except Exception:   # noqa: BLE001 - absent, or a build that does not load here
+            flashinfer = None
+        _fi_module.append(flashinfer)
+    return _fi_module[0]
+
+
+def use_flashinfer(q, v, causal, offsets_q, offsets_k) -> bool:
+    """The rule: FlashInfer (0.6.18 measured) serves 16-bit q/k 192, v 128 on compute
+    capability 9.0 when the caller gives the offsets on the host (its plan reads them there;
+    from device offsets it would drain the stream), outside CUDA-graph capture (the plan
+    copies to the device), and when every query sees at least one key (causal: nk >= nq;
+    full: nk > 0 where nq > 0), since a query with none is ours to define (out 0, lse -inf)."""
+    if not FLASHINFER or offsets_q is None or offsets_k is None or q.shape[0] == 0:
+        return False
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if (q.shape[-1], v.shape[-1]) not in _FI_DIMS or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    for b in range(len(offsets_q) - 1):
+        nq, nk = offsets_q[b + 1] - offsets_q[b], offsets_k[b + 1] - offsets_k[b]
+        if nq > 0 and (nk < nq if causal else nk == 0):
+            return False
+    return _flashinfer() is not None
+
+
+def flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale: float, causal: bool):
+    """FlashInfer's ragged prefill (fa3 backend) on host offsets; out [Tq, H, dv], lse [Tq, H]
+    float32 in base e (FlashInfer's is in base 2). The plan (host work, ~0.3 ms) is redone
+    only when the offsets change; the first call on a machine compiles the kernel (nvcc)."""
+    fi = _flashinfer()
+    H, dq, dv = q.shape[1], q.shape[-1], v.shape[-1]
+    key = (q.device, q.dtype, H, dq, dv, softmax_scale, causal)
+    entry = _fi_wrappers.get(key)
+    if entry is None:
+        if q.device not in _fi_workspace:
+            _fi_workspace[q.device] = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_fi_workspace[q.device], "NHD", backend="fa3")
+        entry = _fi_wrappers[key] = [wrapper, None]
+    offsets = (tuple(offsets_q), tuple(offsets_k))
+    if entry[1] != offsets:
+        entry[0].plan(torch.tensor(offsets[0], dtype=torch.int32), torch.tensor(offsets[1], dtype=torch.int32),
+                      H, H, dq, head_dim_vo=dv, causal=causal, sm_scale=softmax_scale,
+                      q_data_type=q.dtype, kv_data_type=k.dtype)
+        entry[1] = offsets
+    out, lse = entry[0].run(q, k, v, return_lse=True)
+    return out, lse.mul_(math.log(2))
+
+
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, max_seqlen_q=None,
-                      max_seqlen_k=None):
+                      max_seqlen_k=None, offsets_q=None, offsets_k=None):
     """Varlen packed attention with LSE (see ``mla.ops.reference.prefill_attention``).
 
-    q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 (from 0).
-    Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32. The path is chosen by
-    :func:`use_cudnn`; the Triton path reads nothing on the host.
+    q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv]; cu_seqlens_q/k [B + 1] int32 (from 0);
+    offsets_q/k: the same offsets as host ints, or None. Returns out [Tq, H, dv] in q's dtype
+    and lse [Tq, H] float32. The path: FlashInfer (:func:`use_flashinfer`), cuDNN
+    (:func:`use_cudnn`) or the Triton kernel, which reads nothing on the host.
     """
+    if use_flashinfer(q, v, causal, offsets_q, offsets_k):
+        return flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale, causal)
     if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return cudnn_prefill(q, k, v, cu_seqlens_q.shape[0] - 1, softmax_scale, causal)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, default_config(q))
