@@ -289,7 +289,7 @@ def test_prefill_attention_flashinfer_gpu(heads, lq, lk, causal):
     tp = _flashinfer_or_skip()
     kw = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
     q, k, v, cu_q, cu_k, scale = _check_prefill_gpu(heads, lq, lk, causal, **kw)
-    assert tp.use_flashinfer(q, v, causal, kw["offsets_q"], kw["offsets_k"])
+    assert tp.use_flashinfer(q, k, v, causal, kw["offsets_q"], kw["offsets_k"])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -299,18 +299,41 @@ def test_prefill_attention_flashinfer_gpu(heads, lq, lk, causal):
 
 
 @gpu
+def test_prefill_attention_flashinfer_strided_views_gpu():
+    # q, k, v as views into wider buffers (a fused projection's output): same values as the
+    # contiguous copies, through FlashInfer
+    tp = _flashinfer_or_skip()
+    lq, lk, H = [200, 333], [700, 333], 16
+    cu_q, cu_k = _cu(lq, "cuda"), _cu(lk, "cuda")
+    q = torch.randn(sum(lq), H, 256, device="cuda", dtype=torch.bfloat16)[..., 32:224]
+    kv = torch.randn(sum(lk), H, 384, device="cuda", dtype=torch.bfloat16)
+    k, v = kv[..., :192], kv[..., 256:]
+    off = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
+    assert tp.use_flashinfer(q, k, v, True, off["offsets_q"], off["offsets_k"])
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, 0.1, True, **off)
+    ref_o, ref_l = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, 0.1, True, **off)
+    assert torch.equal(out, ref_o) and torch.equal(lse, ref_l)
+
+
+@gpu
 def test_prefill_attention_flashinfer_refuses_gpu():
     # a causal sequence with fewer keys than queries leaves queries with no key: not
-    # FlashInfer's to define, so the Triton kernel serves (out 0, lse -inf for those rows)
+    # FlashInfer's to define, so the Triton kernel serves (out 0, lse -inf for those rows);
+    # the same for views TMA cannot read and with FLASHINFER off
     tp = _flashinfer_or_skip()
     lq, lk = [100, 64], [50, 64]
     kw = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
-    q, _, v, *_ = _check_prefill_gpu(16, lq, lk, True, **kw)
-    assert not tp.use_flashinfer(q, v, True, kw["offsets_q"], kw["offsets_k"])
-    assert tp.use_flashinfer(q, v, False, kw["offsets_q"], kw["offsets_k"])
+    q, k, v, *_ = _check_prefill_gpu(16, lq, lk, True, **kw)
+    assert not tp.use_flashinfer(q, k, v, True, kw["offsets_q"], kw["offsets_k"])
+    assert tp.use_flashinfer(q, k, v, False, kw["offsets_q"], kw["offsets_k"])
+    # a view TMA cannot read (start 2 bytes off a 16-byte boundary) stays with the Triton kernel
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    assert not tp.use_flashinfer(shifted, k, v, False, kw["offsets_q"], kw["offsets_k"])
+    out, _ = prefill_attention(shifted, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False, **kw)
+    assert torch.equal(out, prefill_attention(q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False)[0])
     was, tp.FLASHINFER = tp.FLASHINFER, False
     try:
-        assert not tp.use_flashinfer(q, v, False, kw["offsets_q"], kw["offsets_k"])
+        assert not tp.use_flashinfer(q, k, v, False, kw["offsets_q"], kw["offsets_k"])
     finally:
         tp.FLASHINFER = was
 

@@ -281,17 +281,25 @@ def _flashinfer():
     return _fi_module[0]
 
 
-def use_flashinfer(q, v, causal, offsets_q, offsets_k) -> bool:
+def _tma_friendly(t: torch.Tensor) -> bool:
+    """Unit stride along the head dim, 16-byte aligned start and other strides (TMA's terms)."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x * t.element_size() % 16 == 0 for x in t.stride()[:-1])
+
+
+def use_flashinfer(q, k, v, causal, offsets_q, offsets_k) -> bool:
     """The rule: FlashInfer (0.6.18 measured) serves 16-bit q/k 192, v 128 on compute
     capability 9.0 when the caller gives the offsets on the host (its plan reads them there;
     from device offsets it would drain the stream), outside CUDA-graph capture (the plan
     copies to the device), and when every query sees at least one key (causal: nk >= nq;
-    full: nk > 0 where nq > 0), since a query with none is ours to define (out 0, lse -inf)."""
+    full: nk > 0 where nq > 0), since a query with none is ours to define (out 0, lse -inf).
+    Views are fine where TMA can read them (:func:`_tma_friendly`)."""
     if not FLASHINFER or offsets_q is None or offsets_k is None or q.shape[0] == 0:
         return False
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if (q.shape[-1], v.shape[-1]) not in _FI_DIMS or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if not all(_tma_friendly(t) for t in (q, k, v)):
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
@@ -334,7 +342,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     and lse [Tq, H] float32. The path: FlashInfer (:func:`use_flashinfer`), cuDNN
     (:func:`use_cudnn`) or the Triton kernel, which reads nothing on the host.
     """
-    if use_flashinfer(q, v, causal, offsets_q, offsets_k):
+    if use_flashinfer(q, k, v, causal, offsets_q, offsets_k):
         return flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale, causal)
     if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return cudnn_prefill(q, k, v, cu_seqlens_q.shape[0] - 1, softmax_scale, causal)
