@@ -197,9 +197,9 @@ def test_expansion_copies_nothing_gpu():
     torch.testing.assert_close(v, kv[..., dn:], atol=2e-2, rtol=2e-2)
 
 
-def test_plan_carries_the_longest_lengths_on_the_host():
-    """Every attention call of a context strategy gets its longest query and key lengths as
-    host ints (prefill_attention's max_seqlen_q/k), equal to what its offsets say."""
+def test_plan_carries_the_offsets_on_the_host():
+    """Every attention call of a context strategy gets its offsets also as host ints
+    (prefill_attention's offsets_q/k), equal to the device offsets."""
     from mla.plan import build_plan
 
     cfg = mla.MLAConfig.preset("tiny")
@@ -212,10 +212,9 @@ def test_plan_carries_the_longest_lengths_on_the_host():
         passes = plan.cached + [p for g in groups for p in g.passes]
         assert groups and (passes or force is None)
         for g in groups:
-            assert g.max_seqlen == int(g.cu_seqlens.diff().max())
+            assert g.offsets == tuple(g.cu_seqlens.tolist())
         for p in passes:
-            assert p.max_seqlen_q == int(p.cu_seqlens_q.diff().max())
-            assert p.max_seqlen_k == int(p.cu_seqlens_k.diff().max())
+            assert p.offsets_q == tuple(p.cu_seqlens_q.tolist()) and p.offsets_k == tuple(p.cu_seqlens_k.tolist())
 
 
 def test_decode_batch_reads_and_writes_its_rows_in_place():

@@ -55,8 +55,7 @@ def cached(layer, q, p: Pass, kv_cache, cache, out):
     """Gather prefix + new rows of the pass's sequences, expand, attend causally."""
     k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
     o, _ = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, layer.cfg.softmax_scale,
-                                 causal=True, max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
-                                 offsets_q=p.offsets_q, offsets_k=p.offsets_k, backend=layer.op_backend)
+                                 causal=True, offsets_q=p.offsets_q, offsets_k=p.offsets_k, backend=layer.op_backend)
     out[p.rows] = o
 
 
@@ -67,7 +66,6 @@ def chunked(layer, q, c_kv, k_pe, group: Group, kv_cache, cache, out):
     for p in group.passes:
         k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
         o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
-                                       max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
                                        offsets_q=p.offsets_q, offsets_k=p.offsets_k, backend=backend)
         i = p.group_rows
         acc_o[i], acc_lse[i] = ops.merge_attention(acc_o[i], acc_lse[i], o, lse, backend=backend)
@@ -79,6 +77,5 @@ def _self_attention(layer, q, c_kv, k_pe, group: Group):
     rows = group.rows
     k, v = _keys_values(layer, c_kv[rows], k_pe[rows])
     return ops.prefill_attention(q[rows], k, v, group.cu_seqlens, group.cu_seqlens, layer.cfg.softmax_scale,
-                                 causal=True, max_seqlen_q=group.max_seqlen, max_seqlen_k=group.max_seqlen,
-                                 offsets_q=group.offsets, offsets_k=group.offsets,
+                                 causal=True, offsets_q=group.offsets, offsets_k=group.offsets,
                                  backend=layer.op_backend)

@@ -60,10 +60,8 @@ class Pass:
     block_table: torch.Tensor       # [len(seqs), max_blocks] int32
     num_keys: int
     group_rows: torch.Tensor | None = None   # chunked: the queries' positions among the group's rows
-    max_seqlen_q: int = 0           # the longest query / key segment (host ints: no device read)
-    max_seqlen_k: int = 0
-    offsets_q: tuple | None = None  # cu_seqlens_q / cu_seqlens_k as host ints
-    offsets_k: tuple | None = None
+    offsets_q: tuple = ()           # cu_seqlens_q / cu_seqlens_k as host ints (no device read)
+    offsets_k: tuple = ()
 
 
 @dataclass
@@ -71,8 +69,7 @@ class Group:
     seqs: list[int]
     rows: torch.Tensor | slice      # token rows of the group, sequence order ([Tg] int64, or a slice)
     cu_seqlens: torch.Tensor | None = None   # prefill, chunked: [len(seqs) + 1] int32 offsets in rows
-    max_seqlen: int = 0                      # prefill, chunked: the most new tokens of one sequence
-    offsets: tuple | None = None             # prefill, chunked: cu_seqlens as host ints
+    offsets: tuple = ()                      # prefill, chunked: cu_seqlens as host ints
     s_q: int = 0                    # absorbed: tokens per sequence
     block_table: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
@@ -136,13 +133,11 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
                     group_rows=None if group_offsets is None else ints(
                         [t for b in seqs for t in range(group_offsets[b], group_offsets[b] + batch.num_new[b])],
                         torch.int64),
-                    max_seqlen_q=max(batch.num_new[b] for b in seqs), max_seqlen_k=max(lens),
                     offsets_q=offsets_q, offsets_k=offsets_k)
 
     def make_group(seqs):
-        offsets = cumsum(batch.num_new[b] for b in seqs)
-        return Group(seqs, rows_of(seqs), cu_seqlens=ints(offsets), max_seqlen=max(batch.num_new[b] for b in seqs),
-                     offsets=offsets)
+        offsets_q = cumsum(batch.num_new[b] for b in seqs)
+        return Group(seqs, rows_of(seqs), cu_seqlens=ints(offsets_q), offsets=offsets_q)
 
     by = {s: [b for b, x in enumerate(strategy) if x == s] for s in STRATEGIES}
     if by["prefill"]:

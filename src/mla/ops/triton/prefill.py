@@ -283,7 +283,8 @@ def _flashinfer():
 
 def _tma_friendly(t: torch.Tensor) -> bool:
     """Unit stride along the head dim, 16-byte aligned start and other strides (TMA's terms)."""
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x * t.element_size() % 16 == 0 for x in t.stride()[:-1])
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(x * t.element_size() % 16 == 0 for x in t.stride()[:-1]))
 
 
 def use_flashinfer(q, k, v, causal, offsets_q, offsets_k) -> bool:
