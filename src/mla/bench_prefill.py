@@ -10,8 +10,9 @@ aten ops, FlashInfer's fa3 ragged prefill where it imports (a peer, with LSE), a
 float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is timed in ROUNDS
 interleaved rounds (every other one in reverse order) and its median kept. FLOPs count the
 visible (query, key) pairs: 2 * H * (dq + dv) per pair.
-rope_append, gather_latent and merge_attention are reported in GB/s of the fewest bytes
-they must move, against the 4.28 TB/s device copy ceiling.
+rope_append, gather_latent and merge_attention (our kernels timed in CUDA graphs over
+rotated inputs) are reported in GB/s of the fewest bytes they must move, against the
+4.28 TB/s device copy ceiling.
 """
 from __future__ import annotations
 
@@ -211,6 +212,25 @@ def time_attention(rows, quick):
 
 # ------------------------------------------------------------------------- memory-bound ops
 
+def _copies(nbytes: int) -> int:
+    """Input sets to rotate through so that a graph's calls do not find their data in the L2."""
+    from mla.bench import L2_ROTATE_BYTES
+
+    return max(1, min(8, math.ceil(L2_ROTATE_BYTES / nbytes)))
+
+
+def _memory_rows(rows, shape, nbytes, calls, reference_fn):
+    """Our kernel timed in a CUDA graph over rotated inputs (`mla bench decode`'s method: per
+    call, without launch gaps or an L2 flush in between; eager `do_bench` times of these
+    25-100 us kernels varied up to 2x between runs); the PyTorch reference eagerly (it reads
+    the host, so it cannot be captured)."""
+    from mla.bench import graph_time_us
+
+    for prov, t in (("triton", graph_time_us(calls) * 1e-6), ("torch", _bench(reference_fn))):
+        rows.append(dict(shape=shape, provider=prov, ms=round(t * 1e3, 4), gbps=round(nbytes / t / 1e9),
+                         roofline=round(nbytes / t / PEAK_BYTES, 3)))
+
+
 def bench_memory_ops(rows, checks):
     from mla.ops import gather_latent, merge_attention, reference, rope_append
 
@@ -229,12 +249,11 @@ def bench_memory_ops(rows, checks):
         diff = max((q.float() - q2.float()).abs().max().item(), (cache.float() - c2.float()).abs().max().item())
         checks.append(dict(check=f"rope_append H{H} T{T}", provider="triton", result=f"max diff {diff:.1e}"))
         nbytes = T * (H * dr * 2 * 2 + dr * 2 * 2 + r * 2 + (r + dr) * 2 + dr * 4)
-        for prov, fn in (("triton", lambda: rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, True)),
-                         ("torch", lambda: reference.rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin,
-                                                                 cache, slots, True))):
-            t = _bench(fn)
-            rows.append(dict(shape=f"rope_append H{H} T{T}", provider=prov, ms=round(t * 1e3, 4),
-                             gbps=round(nbytes / t / 1e9), roofline=round(nbytes / t / PEAK_BYTES, 3)))
+        sets = [(q, kv_a, cache)] + [(q.clone(), kv_a.clone(), cache.clone()) for _ in range(_copies(nbytes) - 1)]
+        calls = [lambda q=q, kv_a=kv_a, cache=cache: rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin,
+                                                                 cache, slots, True) for q, kv_a, cache in sets]
+        _memory_rows(rows, f"rope_append H{H} T{T}", nbytes, calls,
+                     lambda: reference.rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, True))
 
     for B, n in ((4, 4096), (32, 2048), (1, 65536)):
         max_blocks = (n + 100 + bs - 1) // bs
@@ -246,11 +265,10 @@ def bench_memory_ops(rows, checks):
         same = torch.equal(out, reference.gather_latent(cache, bt, st, cu, N))
         checks.append(dict(check=f"gather B{B} n{n}", provider="triton", result="ok" if same else "FAIL"))
         nbytes = 2 * N * (r + dr) * 2
-        for prov, fn in (("triton", lambda: gather_latent(cache, bt, st, cu, N)),
-                         ("torch", lambda: reference.gather_latent(cache, bt, st, cu, N))):
-            t = _bench(fn)
-            rows.append(dict(shape=f"gather_latent B{B} n{n}", provider=prov, ms=round(t * 1e3, 4),
-                             gbps=round(nbytes / t / 1e9), roofline=round(nbytes / t / PEAK_BYTES, 3)))
+        caches = [cache] + [cache.clone() for _ in range(_copies(nbytes) - 1)]
+        _memory_rows(rows, f"gather_latent B{B} n{n}", nbytes,
+                     [lambda c=c: gather_latent(c, bt, st, cu, N) for c in caches],
+                     lambda: reference.gather_latent(cache, bt, st, cu, N))
 
     for T, H in ((4096, 128), (16384, 16)):
         oa, ob = (torch.randn(T, H, DV, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -262,11 +280,10 @@ def bench_memory_ops(rows, checks):
         checks.append(dict(check=f"merge T{T} H{H}", provider="triton",
                            result=f"{'ok' if err < 2e-2 and not o.isnan().any() else 'FAIL'} {err:.1e}"))
         nbytes = T * H * (3 * DV * 2 + 3 * 4)
-        for prov, fn in (("triton", lambda: merge_attention(oa, la, ob, lb)),
-                         ("torch", lambda: reference.merge_attention(oa, la, ob, lb))):
-            t = _bench(fn)
-            rows.append(dict(shape=f"merge T{T} H{H}", provider=prov, ms=round(t * 1e3, 4),
-                             gbps=round(nbytes / t / 1e9), roofline=round(nbytes / t / PEAK_BYTES, 3)))
+        sets = [(oa, ob)] + [(oa.clone(), ob.clone()) for _ in range(_copies(nbytes) - 1)]
+        _memory_rows(rows, f"merge T{T} H{H}", nbytes,
+                     [lambda a=a, b=b: merge_attention(a, la, b, lb) for a, b in sets],
+                     lambda: reference.merge_attention(oa, la, ob, lb))
 
 
 def time_layer(rows, quick):
