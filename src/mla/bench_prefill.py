@@ -17,6 +17,7 @@ rotated inputs) are reported in GB/s of the fewest bytes they must move, against
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -39,7 +40,7 @@ def _bench(fn) -> float:
 
 
 def _offsets(lengths):
-    return tuple([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))])
+    return tuple(itertools.accumulate(lengths, initial=0))
 
 
 def _cu(lengths):

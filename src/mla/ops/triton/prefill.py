@@ -26,6 +26,7 @@ ours. The reference stays behind all three in ``reference.py``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -266,19 +267,18 @@ def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
 # MLA_PREFILL_FLASHINFER=0 keeps the op off FlashInfer even where it is installed.
 FLASHINFER = os.environ.get("MLA_PREFILL_FLASHINFER", "1") != "0"
 _FI_DIMS = ((192, 128),)         # (dq, dv) measured on the H200: DeepSeek-V2/V3 and Kimi K2 heads
-_fi_module = []                  # [flashinfer or None], imported on first use
 _fi_workspace: dict = {}         # device -> the float scratch all wrappers of that device share
 _fi_wrappers: dict = {}          # (device, dtype, H, dq, dv, scale, causal) -> [wrapper, planned offsets]
 
 
+@functools.cache
 def _flashinfer():
-    if not _fi_module:
-        try:
-            import flashinfer
-        except Exception:   # noqa: BLE001 - absent, or a build that does not load here
-            flashinfer = None
-        _fi_module.append(flashinfer)
-    return _fi_module[0]
+    """The flashinfer module, imported on first use; None where it does not import."""
+    try:
+        import flashinfer
+    except Exception:   # noqa: BLE001 - absent, or a build that does not load here
+        return None
+    return flashinfer
 
 
 def _tma_friendly(t: torch.Tensor) -> bool:
