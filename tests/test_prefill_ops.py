@@ -95,6 +95,76 @@ def test_prefill_attention_cpu(dtype, causal, heads, case):
     _check_attention(out, lse, q, k, v, cu_q, cu_k, scale, causal)
 
 
+class _FakeFlashInfer:
+    """Stands in for the flashinfer module: its wrapper's plan fails on the first
+    ``fail_plan_until`` calls (a JIT compile without nvcc, say); runs return zeros, and raise
+    after ``fail_run_after`` of them."""
+
+    def __init__(self, fail_plan_until=1, fail_run_after=None):
+        self.made, self.plans, self.runs = 0, 0, 0
+        fake = self
+
+        class Wrapper:
+            def __init__(self, *args, **kw):
+                fake.made += 1
+
+            def plan(self, *args, **kw):
+                fake.plans += 1
+                if fake.plans <= fail_plan_until:
+                    raise RuntimeError("nvcc: not found")
+
+            def run(self, q, k, v, return_lse):
+                fake.runs += 1
+                if fail_run_after is not None and fake.runs > fail_run_after:
+                    raise RuntimeError("an error after it worked")
+                return (q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]),
+                        q.new_zeros(q.shape[:2], dtype=torch.float32))
+
+        self.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
+
+
+def test_flashinfer_first_call_failure_falls_back_cpu(monkeypatch):
+    # FlashInfer installed but its first call fails (its JIT compile, e.g. without a CUDA
+    # toolkit): one warning, the op's own path gives the answer, and that configuration
+    # never tries FlashInfer again; the rule itself is forced on (it needs a Hopper GPU)
+    from mla.ops.triton import prefill as tp
+
+    fake = _FakeFlashInfer(fail_plan_until=1)
+    monkeypatch.setattr(tp, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(tp, "use_flashinfer", lambda *a: True)
+    monkeypatch.setattr(tp, "_fi_wrappers", {})
+    monkeypatch.setattr(tp, "_fi_workspace", {})
+    lq, H, dq, dv = [5, 9], 3, 24, 16
+    cu, off = _cu(lq), tuple(_cu(lq).tolist())
+    q, k, v = torch.randn(sum(lq), H, dq), torch.randn(sum(lq), H, dq), torch.randn(sum(lq), H, dv)
+    with pytest.warns(RuntimeWarning, match="FlashInfer failed on its first call"):
+        out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+    _check_attention(out, lse, q, k, v, cu, cu, 0.3, True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        again, _ = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+    assert torch.equal(again, out) and (fake.made, fake.plans, fake.runs) == (1, 1, 0)
+
+
+def test_flashinfer_later_failure_raises_cpu(monkeypatch):
+    # once a configuration has worked, an error is an error: it propagates
+    from mla.ops.triton import prefill as tp
+
+    fake = _FakeFlashInfer(fail_plan_until=0, fail_run_after=1)
+    monkeypatch.setattr(tp, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(tp, "use_flashinfer", lambda *a: True)
+    monkeypatch.setattr(tp, "_fi_wrappers", {})
+    monkeypatch.setattr(tp, "_fi_workspace", {})
+    lq, H = [4, 6], 2
+    cu, off = _cu(lq), tuple(_cu(lq).tolist())
+    q, k, v = torch.randn(10, H, 24), torch.randn(10, H, 24), torch.randn(10, H, 16)
+    out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+    assert not out.any() and not lse.any()      # the fake's zeros: FlashInfer served
+    with pytest.raises(RuntimeError, match="after it worked"):
+        prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+
+
 def test_prefill_strided_views_cpu():
     """k and v as views of one [Tk, H, dq + dv] buffer (as kv_b_proj's output is split)."""
     lq, lk, H, dq, dv = [6, 11], [6, 20], 3, 24, 16

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -268,7 +269,8 @@ def cudnn_prefill(q, k, v, batch: int, softmax_scale: float, causal: bool):
 FLASHINFER = os.environ.get("MLA_PREFILL_FLASHINFER", "1") != "0"
 _FI_DIMS = ((192, 128),)         # (dq, dv) measured on the H200: DeepSeek-V2/V3 and Kimi K2 heads
 _fi_workspace: dict = {}         # device -> the float scratch all wrappers of that device share
-_fi_wrappers: dict = {}          # (device, dtype, H, dq, dv, scale, causal) -> [wrapper, planned offsets]
+_fi_wrappers: dict = {}          # (device, dtype, H, dq, dv, scale, causal) -> [wrapper, planned offsets],
+                                 # or False where its first call failed
 
 
 @functools.cache
@@ -289,11 +291,12 @@ def _tma_friendly(t: torch.Tensor) -> bool:
 
 def use_flashinfer(q, k, v, causal, offsets_q, offsets_k) -> bool:
     """The rule: FlashInfer (0.6.18 measured) serves bfloat16 q/k 192, v 128 on compute
-    capability 9.0 (float16 compiled there but is not yet checked against the reference) when the caller gives the offsets on the host (its plan reads them there;
-    from device offsets it would drain the stream), outside CUDA-graph capture (the plan
-    copies to the device), and when every query sees at least one key (causal: nk >= nq;
-    full: nk > 0 where nq > 0), since a query with none is ours to define (out 0, lse -inf).
-    Views are fine where TMA can read them (:func:`_tma_friendly`)."""
+    capability 9.0 (float16 compiled there but is not yet checked against the reference) when
+    the caller gives the offsets on the host (its plan reads them there; from device offsets
+    it would drain the stream), outside CUDA-graph capture (the plan copies to the device), and
+    when every query sees at least one key (causal: nk >= nq; full: nk > 0 where nq > 0),
+    since a query with none is ours to define (out 0, lse -inf). Views are fine where TMA can
+    read them (:func:`_tma_friendly`)."""
     if not FLASHINFER or offsets_q is None or offsets_k is None or q.shape[0] == 0:
         return False
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
@@ -314,23 +317,37 @@ def use_flashinfer(q, k, v, causal, offsets_q, offsets_k) -> bool:
 def flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale: float, causal: bool):
     """FlashInfer's ragged prefill (fa3 backend) on host offsets; out [Tq, H, dv], lse [Tq, H]
     float32 in base e (FlashInfer's is in base 2). The plan (host work, ~0.3 ms) is redone
-    only when the offsets change; the first call on a machine compiles the kernel (nvcc)."""
+    only when the offsets change. The first call of a configuration compiles FlashInfer's
+    kernel (nvcc); if that call fails (e.g. no CUDA toolkit), this warns once and returns None
+    for that configuration from then on, and the op takes its other paths."""
     fi = _flashinfer()
     H, dq, dv = q.shape[1], q.shape[-1], v.shape[-1]
     key = (q.device, q.dtype, H, dq, dv, softmax_scale, causal)
     entry = _fi_wrappers.get(key)
-    if entry is None:
-        if q.device not in _fi_workspace:
-            _fi_workspace[q.device] = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-        wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_fi_workspace[q.device], "NHD", backend="fa3")
-        entry = _fi_wrappers[key] = [wrapper, None]
+    if entry is False:
+        return None
+    first = entry is None
     offsets = (tuple(offsets_q), tuple(offsets_k))
-    if entry[1] != offsets:
-        entry[0].plan(torch.tensor(offsets[0], dtype=torch.int32), torch.tensor(offsets[1], dtype=torch.int32),
-                      H, H, dq, head_dim_vo=dv, causal=causal, sm_scale=softmax_scale,
-                      q_data_type=q.dtype, kv_data_type=k.dtype)
-        entry[1] = offsets
-    out, lse = entry[0].run(q, k, v, return_lse=True)
+    try:
+        if first:
+            if q.device not in _fi_workspace:
+                _fi_workspace[q.device] = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+            entry = [fi.BatchPrefillWithRaggedKVCacheWrapper(_fi_workspace[q.device], "NHD", backend="fa3"), None]
+        if entry[1] != offsets:
+            entry[0].plan(torch.tensor(offsets[0], dtype=torch.int32), torch.tensor(offsets[1], dtype=torch.int32),
+                          H, H, dq, head_dim_vo=dv, causal=causal, sm_scale=softmax_scale,
+                          q_data_type=q.dtype, kv_data_type=k.dtype)
+            entry[1] = offsets
+        out, lse = entry[0].run(q, k, v, return_lse=True)
+    except Exception as e:  # noqa: BLE001 - only a configuration's first call is forgiven
+        if not first:
+            raise
+        _fi_wrappers[key] = False
+        warnings.warn(f"mla prefill_attention: FlashInfer failed on its first call for {H} heads, "
+                      f"{q.dtype}, causal={causal} ({type(e).__name__}: {str(e)[:200]}); using the other "
+                      f"paths for it (MLA_PREFILL_FLASHINFER=0 skips FlashInfer)", RuntimeWarning, stacklevel=3)
+        return None
+    _fi_wrappers[key] = entry
     return out, lse.mul_(math.log(2))
 
 
@@ -344,7 +361,9 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     (:func:`use_cudnn`) or the Triton kernel, which reads nothing on the host.
     """
     if use_flashinfer(q, k, v, causal, offsets_q, offsets_k):
-        return flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale, causal)
+        res = flashinfer_prefill(q, k, v, offsets_q, offsets_k, softmax_scale, causal)
+        if res is not None:
+            return res
     if use_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return cudnn_prefill(q, k, v, cu_seqlens_q.shape[0] - 1, softmax_scale, causal)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, default_config(q))
