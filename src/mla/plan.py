@@ -18,6 +18,7 @@ The cost rule (DESIGN.md section 2), per sequence with c cached and n new tokens
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -120,10 +121,7 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         return ints(rows, torch.int64)
 
     def cumsum(xs):
-        out = [0]
-        for x in xs:
-            out.append(out[-1] + x)
-        return tuple(out)
+        return tuple(itertools.accumulate(xs, initial=0))
 
     def make_pass(seqs, starts, lens, group_offsets=None):
         offsets_q, offsets_k = cumsum(batch.num_new[b] for b in seqs), cumsum(lens)
