@@ -3,7 +3,7 @@ heads"): bf16 operands, float32 accumulators, one CTA per SM looping over tiles 
 shared memory (no loads), A from shared memory (SS) or registers (RS), N = 64/128/256, one or
 two warpgroups of 64 rows, one wait per 64 or per 256 of K.
 
-    PYTHONPATH=src python3 benchmarks/wgmma_peak.py
+    PYTHONPATH=src python3 benchmarks/wgmma_peak.py [N ...]     (default 64 128 256)
 """
 import sys
 
@@ -55,9 +55,10 @@ def run(N, KB, RS, warps, iters=2000):
 if not torch.cuda.is_available():
     sys.exit("wgmma_peak: needs a Hopper GPU")
 print(f"{'mode':>4} {'warps':>5} {'N':>4} {'K/wait':>6} {'TFLOP/s':>8}")
+NS = [int(n) for n in sys.argv[1:]] or [64, 128, 256]     # e.g. `wgmma_peak.py 16 32` for the decode kernels' N
 for warps in (4, 8):
     for RS in (False, True):
-        for N in (64, 128, 256):
+        for N in NS:
             for KB in (1, 4):
                 head = f"{'RS' if RS else 'SS':>4} {warps:>5} {N:>4} {64 * KB:>6}"
                 try:

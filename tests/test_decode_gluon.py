@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs an sm90 (Hopper) GPU")
 if SM90:
     from mla.ops.triton import decode_gluon as dg
     from mla.ops.triton import decode_gluon_narrow as dn
+    from mla.ops.triton import decode_gluon_fp8 as df
 
 TILES = [64, 32]     # keys per tile: a ring of two or of four
 
@@ -52,7 +53,7 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
         stored = stored.view(*kv.shape[:2], -1)
     assert dg.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)
-    launch = dn.launch_narrow if kw.pop("narrow", False) else dg.launch_gluon
+    launch = {"seesaw": dg.launch_gluon, "narrow": dn.launch_narrow, "fp8reg": df.launch_fp8}[kw.pop("kernel", "seesaw")]
     out, lse = launch(q, stored, table, seqlens, DV, scale, causal, kv_scale=kv_scale, **kw)
     assert out.shape == (len(lens), s_q, H, DV) and out.dtype == dtype
     assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
@@ -138,14 +139,40 @@ def test_narrow(kv_fmt, H, s_q):
         assert kv_fmt == "fp8_tile" and H * s_q > 16
         return
     check([0, s_q, 1, 700, 4099, 2048, 31, 33, 65], s_q, H, seed=H * 7 + s_q, kv_fmt=kv_fmt,
-          kv_scale=0.5 if kv_fmt == "fp8" else 1.0, narrow=True)
+          kv_scale=0.5 if kv_fmt == "fp8" else 1.0, kernel="narrow")
 
 
 @pytest.mark.parametrize("kv_fmt", ["plain", "fp8", "fp8_tile"])
 def test_narrow_splits_fp16_page128_non_causal(kv_fmt):
-    check([5, 130, 1000, 20000], 1, 16, seed=8, kv_fmt=kv_fmt, num_splits=40, narrow=True)
+    check([5, 130, 1000, 20000], 1, 16, seed=8, kv_fmt=kv_fmt, num_splits=40, kernel="narrow")
     check([3, 1500, 257], 2, 8, block_size=128, dtype=torch.float16, seed=2, kv_fmt=kv_fmt, causal=False,
-          narrow=True)
+          kernel="narrow")
+
+
+@pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (1, 1), (3, 4), (7, 2), (5, 3), (4, 4)])
+def test_fp8_register_operands(H, s_q):
+    """FP8 rows as the MMAs' register operands, <= 16 query rows: lengths 0, s_q, 1, partial
+    tails (NaN past each end), several pages; kv_scale 0.5 (applied twice or not at all would
+    miss the oracle by far more than the bound)."""
+    check([0, s_q, 1, 700, 4099, 2048, 31, 33, 65, 64, 128], s_q, H, seed=H * 11 + s_q, kv_fmt="fp8", kv_scale=0.5,
+          kernel="fp8reg")
+
+
+def test_fp8_register_operands_splits_fp16_page128_non_causal():
+    check([5, 130, 1000, 20000], 1, 16, seed=8, kv_fmt="fp8", kv_scale=2.0, num_splits=40, kernel="fp8reg")
+    check([3, 1500, 257], 2, 8, block_size=128, dtype=torch.float16, seed=2, kv_fmt="fp8", causal=False,
+          kernel="fp8reg")
+    check([64 * 300] * 3, 1, 16, seed=3, kv_fmt="fp8", num_splits=1, kernel="fp8reg")
+
+
+def test_fp8_register_operands_refuses():
+    q = torch.randn(1, 1, 32, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(4, 64, 576, device="cuda").to(torch.float8_e4m3fn)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")
+    assert not df.takes(q, kv) and df.takes(q[:, :, :16], kv)
+    assert not df.takes(q[:, :, :16], kv.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="H \\* s_q <= 16"):
+        df.launch_fp8(q, kv, table, lens, DV, 0.1)
 
 
 def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
@@ -157,6 +184,19 @@ def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
     assert use_narrow(q, kv) and not use_narrow(q[:31], kv) and not use_narrow(q.expand(32, 2, 16, DV + DR), kv)
     out, lse = mla.ops.mla_decode(q, kv, table, seqlens, DV, 0.1)
     ref_out, ref_lse = dn.launch_narrow(q, kv, table, seqlens, DV, 0.1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_dispatch_picks_fp8_register_kernel():
+    import mla
+    from mla.ops.triton.decode import use_narrow
+    g = torch.Generator().manual_seed(6)
+    lens = torch.randint(1, 3000, (32,), generator=g).tolist()
+    q, kv, table, seqlens = make_case(lens, 1, 16, 64, torch.bfloat16, seed=6)
+    kv8 = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8", DV, 1.0).view(*kv.shape[:2], -1)
+    assert use_narrow(q, kv8) and df.takes(q, kv8)
+    out, lse = mla.ops.mla_decode(q, kv8, table, seqlens, DV, 0.1)
+    ref_out, ref_lse = df.launch_fp8(q, kv8, table, seqlens, DV, 0.1)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 

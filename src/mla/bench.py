@@ -89,7 +89,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="cache formats: bf16 rows (1152 B), fp8 per-tensor (576 B), fp8 tile rows (656 B)")
     p.add_argument("--variants", default="default",
                    help="comma list of Triton schedules to time: default, or e.g. w4-n32-s3-x2 (see decode_variant); "
-                        "gluon:seesaw and gluon:narrow time those Hopper kernels by name")
+                        "gluon:seesaw, gluon:narrow and gluon:fp8reg time those Hopper kernels by name")
     p.add_argument("--no-peers", action="store_true", help="time only the Triton kernel")
     p.add_argument("--csv", default=None)
     p.add_argument("--json", default=None)
@@ -147,12 +147,17 @@ def _triton_provider(variant):
     return make
 
 
+GLUON_KERNELS = ("gluon:seesaw", "gluon:narrow", "gluon:fp8reg")
+
+
 def _gluon_provider(name):
     """One Hopper kernel by name, whatever the dispatch would pick: gluon:seesaw (query rows
-    on M, ``decode_gluon``) or gluon:narrow (keys on M, ``decode_gluon_narrow``)."""
-    from mla.ops.triton import decode_gluon, decode_gluon_narrow
+    on M, ``decode_gluon``), gluon:narrow (keys on M, ``decode_gluon_narrow``) or gluon:fp8reg
+    (FP8 rows as register operands, ``decode_gluon_fp8``)."""
+    from mla.ops.triton import decode_gluon, decode_gluon_fp8, decode_gluon_narrow
 
-    launch = {"gluon:seesaw": decode_gluon.launch_gluon, "gluon:narrow": decode_gluon_narrow.launch_narrow}[name]
+    launch = {"gluon:seesaw": decode_gluon.launch_gluon, "gluon:narrow": decode_gluon_narrow.launch_narrow,
+              "gluon:fp8reg": decode_gluon_fp8.launch_fp8}[name]
 
     def make(c):
         def call(kv):
@@ -269,8 +274,8 @@ def run_decode(args) -> int:
     for v in variants:
         decode_variant(v, DecodeConfig())  # unknown parts fail here, before any GPU work
     for v in kernels:
-        if v not in ("gluon:seesaw", "gluon:narrow"):
-            raise ValueError(f"--variants: unknown kernel {v!r} (gluon:seesaw, gluon:narrow)")
+        if v not in GLUON_KERNELS:
+            raise ValueError(f"--variants: unknown kernel {v!r} ({', '.join(GLUON_KERNELS)})")
     providers = {"mla.ops": _op_provider(), **{f"triton:{v}": _triton_provider(v) for v in variants},
                  **{v: _gluon_provider(v) for v in kernels}}
     if not args.no_peers:

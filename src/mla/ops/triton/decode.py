@@ -327,6 +327,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     """
     if use_gluon(q, kv_cache, head_dim_v):
         if use_narrow(q, kv_cache):
+            from .decode_gluon_fp8 import launch_fp8, takes
+            if takes(q, kv_cache):
+                return launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                  kv_scale=kv_scale)
             from .decode_gluon_narrow import launch_narrow
             return launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                                  kv_scale=kv_scale)
@@ -351,11 +355,13 @@ def use_gluon(q, kv_cache, head_dim_v) -> bool:
 
 
 def use_narrow(q, kv_cache) -> bool:
-    """Between the two Hopper kernels (given ``use_gluon``): the keys-on-M kernel
-    (``decode_gluon_narrow``) for at most 16 query rows (H * s_q) and a batch of 32 or more;
-    the query-rows-on-M kernel otherwise. On the H200 at 16 heads it took 0.83-0.99x the other's
-    time at batch 32 and 128 (bf16: 4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md);
-    32 rows, batches 2-31: not measured, left to the other kernel."""
+    """Between the Hopper kernels (given ``use_gluon``): a keys-on-M kernel for at most 16 query
+    rows (H * s_q) and a batch of 32 or more, the query-rows-on-M kernel otherwise. On the H200
+    at 16 heads the keys-on-M kernel took 0.83-0.99x the other's time at batch 32 and 128 (bf16:
+    4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md); 32 rows, batches 2-31: not
+    measured, left to the other kernel. Of the keys-on-M kernels, FP8 rows (per-tensor scale)
+    go to ``decode_gluon_fp8`` (register operands: 0.57-0.72x the widening kernel's time at
+    B 32/128 x 4k/16k), the rest to ``decode_gluon_narrow``."""
     return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
 
 

@@ -1,0 +1,86 @@
+"""Compile a decode kernel for sm_90a without a GPU and count what matters in its SASS:
+registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
+instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
+
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py fp8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon  # noqa: F401  (registers the Gluon frontend)
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+KEEP = ("LDS", "STS", "LDSM", "STSM", "SHFL", "PRMT", "F2FP", "HGMMA", "QGMMA", "LDL", "STL", "BAR", "SEL", "I2F", "F2F")
+
+
+def sass_counts(kernel) -> tuple[str, Counter]:
+    """(cuobjdump's resource line: registers, stack, shared; the counts of the KEEP opcodes)."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+
+        def dump(flag):
+            return subprocess.run([os.path.join(tools, "cuobjdump"), flag, cubin], capture_output=True, text=True,
+                                  check=True).stdout
+        sass, res = dump("-sass"), dump("-res-usage")
+    ops = Counter(m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.\S*)?",
+                                                  sass, re.M))
+    usage = " ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+)", res))
+    return usage, Counter({k: v for k, v in ops.items() if k in KEEP})
+
+
+def compile_gluon(fn, signature: dict, constexprs: dict, aligned=(), num_warps: int = 4, maxnreg: int | None = None):
+    """fn compiled as a launch would: ``aligned`` names the arguments a launch would see
+    divisible by 16 (pointers from torch, strides of contiguous tensors), which Triton
+    specializes on (vectorized loads and stores depend on it)."""
+    names = list(fn.arg_names)
+    sig = {n: signature.get(n, "constexpr") for n in names}
+    cx = {(names.index(k),): v for k, v in constexprs.items()}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+    opts = dict(num_warps=num_warps)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(GluonASTSource(fn, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=opts)
+
+
+def fp8_kernel(m=None):
+    """``decode_gluon_fp8``'s kernel (or that of a module with the same kernel, e.g. a variant)."""
+    if m is None:
+        from mla.ops.triton import decode_gluon_fp8 as m
+    fp8_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
+    desc = f"tensordesc<fp8e4nv[64, 64],{fp8_l!r}>"
+    ints = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
+            "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
+    sig = {"Q": "*bf16", "kv_desc": desc, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
+           "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in ints}}
+    cx = {"CAUSAL": True, "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16),
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16), "num_warps": 4}
+    aligned = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob",
+               "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]   # 16 heads, 16 rows, page 64
+    return compile_gluon(m._fp8_kernel, sig, cx, aligned, maxnreg=168)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kernel", choices=["fp8"])
+    a = p.parse_args()
+    k = {"fp8": fp8_kernel}[a.kernel]()
+    usage, ops = sass_counts(k)
+    print(f"shared {k.metadata.shared} B; {usage}")
+    print(dict(sorted(ops.items())))
+
+
+if __name__ == "__main__":
+    main()

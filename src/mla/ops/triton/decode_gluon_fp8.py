@@ -1,0 +1,330 @@
+"""Hopper decode over FP8 rows (float8_e4m3fn, per-tensor kv_scale) for at most 16 query rows:
+the FP8 key tiles feed fp16 tensor-core MMAs from registers.
+
+The narrow kernel (``decode_gluon_narrow``) widens every FP8 tile into an fp16 copy in shared
+memory and multiplies from there: about 4.8 KB of shared-memory traffic per key against 3.3 KB
+for bf16 rows, so on the H200 its FP8 path ran at 0.80-0.92x the bf16 kernel's throughput
+although it reads half the bytes (docs/PERF.md, "Decode: narrow kernel"). Here both GEMMs
+take the keys as the MMA's A operand in registers, loaded from the FP8 tile as it landed with
+16-byte loads and converted in registers (e4m3 -> fp16 is exact), so a key costs its TMA write
+(576 B), one read of its 576 bytes for S^T, one of its 512 value bytes for O^T, and the
+B operands (Q^T 288 B, P^T 256 B per key at 16 rows): about 2.2 KB.
+
+    S^T [64 keys, 16] = K [64, 576] . Q^T [576, 16]      A = K from registers, B = Q^T (shared)
+    O^T [512, 16]    += V^T [512, 64] . P^T [64, 16]     A = V^T from registers, B = P^T (shared)
+
+A contraction index may be permuted as long as both operands agree, and the rows of O^T are
+ours to order (the store puts each where it belongs), so the register operands are loaded in
+the orders that make every thread's bytes adjacent in shared memory:
+
+- S^T, per 64 columns of the row: the A fragment gives lane t (of a group of 4) the columns
+  {2t, 2t+1, 2t+8, 2t+9} + 16 s of each of its two keys (s = 0..3, one per k16 MMA). Memory
+  column d = 16 t + 4 b + 2 c + e (16 bytes a lane) goes to MMA column k' = 16 b + 8 c + 2 t + e,
+  and the query is stored in shared memory in the k' order (``_kperm``).
+- O^T: lane group (w, g) of the A fragment owns rows 16 w + g and + 8 of each of the eight
+  64-row MMA tiles i; those 16 rows are the adjacent value columns 16 (8 w + g) .. + 15 (row
+  r = 64 i + 16 w + 8 h + g holds column 128 w + 16 g + 2 i + h, ``_vcol``), so a lane reads a
+  key's 16 columns with one load. The keys of a k16 MMA are lane t's {2t, 2t+1, 2t+8, 2t+9},
+  the order P^T has anyway.
+
+Grid (splits, B). Partitions: two warpgroups that take alternate 64-key tiles, each with its own
+online softmax and O^T (two partial results per split, merged with the other splits by
+``decode.combine``), and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
+mbarrier per tile). A warpgroup hands its stage back to the loader as soon as the tile is in
+its registers, before the MMAs; tail rows (NaN in unused slots) are zeroed in shared memory
+first. kv_scale is folded into the softmax scale and the output.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import kv_fmt
+from .decode import combine
+from .decode_gluon import _D, _DV, _LOG2E, _descriptors, _loader, _zero_tail, default_splits, launch_dependents, supports
+from .decode_gluon_narrow import two_partials
+
+__all__ = ["launch_fp8", "takes"]
+
+_R = gl.constexpr(16)     # query rows per program (the MMAs' N)
+_NST = gl.constexpr(4)         # FP8 tiles in the ring (even: each stage always serves the same warpgroup)
+
+
+@gluon.constexpr_function
+def _acc_layout():
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _R, 16])
+
+
+@gluon.constexpr_function
+def _k_load_layout():
+    """[64 keys, 64 columns] of FP8: 16 adjacent bytes a lane (registers), key + 8 (registers),
+    lanes t pick the 16-byte piece, lane groups g the key, warps 16 keys each."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+    lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, 64])
+
+
+@gluon.constexpr_function
+def _v_load_layout():
+    """[16 keys, 512 columns] of FP8: lane group (w, g) owns columns 16 (8 w + g) .. + 15
+    (registers), keys: + 1 and + 8 in registers, + 2 and + 4 the lanes t."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]]
+    lane = [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]]
+    warp = [[0, 128], [0, 256]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [16, 512])
+
+
+@gluon.constexpr_function
+def _o_layout():
+    """O [512 columns, 16 query rows] as the O^T accumulator holds it once its rows are put
+    back in column order: lane group (w, g) owns columns 128 w + 16 g .. + 15 (registers first,
+    so that they are stored 16 bytes at a time), lanes t the rows 2t, 2t + 1, 2t + 8, 2t + 9."""
+    reg = [[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 8]]
+    lane = [[0, 2], [0, 4], [16, 0], [32, 0], [64, 0]]
+    warp = [[128, 0], [256, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [512, _R])
+
+
+@gluon.jit
+def _k_frag(src):
+    """64 columns of a key tile (FP8, shared) -> the S^T MMA's A operand (fp16, registers), its
+    columns in the k' order of the module docstring."""
+    A_L: gl.constexpr = _acc_layout()
+    x = _kperm(src.load(_k_load_layout()).to(gl.float16), 64)
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=2))
+
+
+@gluon.jit
+def _v_frag(x):
+    """16 keys x 512 value columns (FP8, registers) -> V^T, the O^T MMA's A operand (fp16), its
+    rows in the ``_vcol`` order."""
+    A_L: gl.constexpr = _acc_layout()
+    y = x.to(gl.float16).permute((1, 0))
+    y = y.reshape([4, 8, 8, 2, 16]).permute((2, 0, 3, 1, 4)).reshape([512, 16])
+    return gl.convert_layout(y, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=2))
+
+
+@gluon.jit
+def _kperm(x, ROWS: gl.constexpr):
+    """[ROWS, 64] -> the same rows with their columns in the K fragment's order: column
+    d = 16 t + 4 b + 2 c + e goes to k' = 16 b + 8 c + 2 t + e (a relabelling: no data moves)."""
+    return x.reshape([ROWS, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4)).reshape([ROWS, 64])
+
+
+@gluon.jit
+def _vcol(r):
+    """The value column held by row r of O^T: r = 64 i + 16 w + 8 h + g -> 128 w + 16 g + 2 i + h."""
+    return ((r >> 4) & 3) * 128 + (r & 7) * 16 + (r >> 6) * 2 + ((r >> 3) & 1)
+
+
+@gluon.jit
+def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
+    (q_smem, qpe_smem, k8, pe8, p_smem, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls,
+     seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
+    o_base += WG * stride_os                          # this warpgroup's partial slot of the split
+    l_base += WG * stride_ls
+    A_L: gl.constexpr = _acc_layout()
+    COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
+    r = gl.arange(0, _R, layout=COL_L)
+    if CAUSAL:
+        limit = seqlen - S_Q + r // H + 1               # query i sees keys < limit
+    else:
+        limit = gl.full([_R], 0, gl.int32, COL_L) + seqlen
+    m_i = gl.full([_R], float("-inf"), gl.float32, COL_L)
+    l_t = gl.zeros([64, _R], gl.float32, A_L)
+    acc = gl.zeros([512, _R], gl.float32, A_L)
+    p_buf = p_smem.index(WG)
+    for t in range((n_tiles - WG + 1) // 2):
+        j = 2 * t + WG
+        n0 = start + j * 64
+        st = j % _NST
+        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)
+        tile = k8.index(st)
+        tile_pe = pe8.index(st)
+        if n0 + 64 > end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
+            _zero_tail(tile, tile_pe, n0, end)
+            gl.thread_barrier()
+        # S^T, 64 columns a step, two steps in flight (their A registers live until they are waited)
+        a_p2 = _k_frag(tile.slice(0, 64, dim=1))
+        s = warpgroup_mma(a_p2, q_smem.slice(0, 64, dim=1).permute((1, 0)), gl.zeros([64, _R], gl.float32, A_L),
+                          use_acc=False, is_async=True)
+        a_prev = _k_frag(tile.slice(64, 64, dim=1))
+        s = warpgroup_mma(a_prev, q_smem.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
+        for c in gl.static_range(2, 9):
+            if c < 8:
+                a_c = _k_frag(tile.slice(c * 64, 64, dim=1))
+                s = warpgroup_mma(a_c, q_smem.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+            else:
+                a_c = _k_frag(tile_pe)
+                s = warpgroup_mma(a_c, qpe_smem.permute((1, 0)), s, is_async=True)
+            s, a_p2 = warpgroup_mma_wait(num_outstanding=2, deps=(s, a_p2))
+            a_p2 = a_prev
+            a_prev = a_c
+        s, a_p2 = warpgroup_mma_wait(num_outstanding=1, deps=(s, a_p2))
+        # the value bytes into registers too; then the stage goes back to the loader
+        VL: gl.constexpr = _v_load_layout()
+        v0 = tile.slice(0, 16, dim=0).load(VL)
+        v1 = tile.slice(16, 16, dim=0).load(VL)
+        v2 = tile.slice(32, 16, dim=0).load(VL)
+        v3 = tile.slice(48, 16, dim=0).load(VL)
+        s, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, a_prev))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(st), count=1)
+        # softmax down the columns (per query row, across the tile's keys)
+        n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_L))
+        visible = (n < end)[:, None] & (n[:, None] < limit[None, :])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_t = l_t * alpha[None, :] + p
+        m_i = m_new
+        p_buf.store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * alpha[None, :]
+        # O^T += V^T P^T, 16 keys a step
+        a_prev = _v_frag(v0)
+        acc = warpgroup_mma(a_prev, p_buf.slice(0, 16, dim=0), acc, is_async=True)
+        for g in gl.static_range(1, 4):
+            if g == 1:
+                a_c = _v_frag(v1)
+            elif g == 2:
+                a_c = _v_frag(v2)
+            else:
+                a_c = _v_frag(v3)
+            acc = warpgroup_mma(a_c, p_buf.slice(16 * g, 16, dim=0), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+            a_prev = a_c
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+    # this warpgroup's partial result (its own split slot): O [rows, 512] from O^T, and its lse.
+    # O^T's rows put back in column order (the inverse of _vcol; registers only): each lane
+    # then holds 16 adjacent columns of its query rows, stored 16 bytes at a time (stored in the
+    # _vcol order, every 4-byte value went to its own 32-byte sector)
+    l_i = gl.sum(l_t, axis=0)
+    empty = l_i == 0.0
+    inv = v_scale / gl.where(empty, 1.0, l_i)
+    out = (acc * inv[None, :]).reshape([8, 4, 2, 8, _R]).permute((1, 3, 0, 2, 4)).reshape([512, _R])
+    OL: gl.constexpr = _o_layout()
+    out = gl.convert_layout(out, OL)      # the same lanes, the 16 columns first in the registers
+    d = gl.arange(0, 512, layout=gl.SliceLayout(1, OL))
+    ro = gl.arange(0, _R, layout=gl.SliceLayout(0, OL))
+    row = O + o_base + (ro // H) * stride_oi + (ro % H) * stride_oh
+    gl.store(row[None, :] + d[:, None], out, mask=(ro < H * S_Q)[None, :] & (d < 512)[:, None])
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
+
+
+@gluon.jit
+def _fp8_kernel(
+    Q, kv_desc, BT, SEQLENS, O, LSE,
+    stride_qb, stride_qi, stride_qh,
+    stride_bt,
+    stride_os, stride_ob, stride_oi, stride_oh,
+    stride_ls, stride_lb, stride_li,
+    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    CAUSAL: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr, num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4)
+    pid_s = gl.program_id(0)
+    b = gl.program_id(1)
+    q_smem = gl.allocate_shared_memory(gl.float16, [_R, 512], SM_L)
+    qpe_smem = gl.allocate_shared_memory(gl.float16, [_R, 64], SM_L)
+    p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
+    k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
+    pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [_NST * 9, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [_NST, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_NST * 9):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(_NST):
+        mbarrier.init(free.index(i), count=1)
+    seqlen = gl.load(SEQLENS + b)
+    per_split = (seqlen + num_splits - 1) // num_splits
+    chunk = (per_split + 63) // 64 * 64
+    start = pid_s * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    n_tiles = gl.maximum(end - start + 63, 0) // 64
+    bt_row = b.to(gl.int64) * stride_bt
+
+    # the query rows (zero past H * s_q), fp16, each 64-column chunk in the K fragment's order
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, _R, layout=gl.SliceLayout(1, QL))
+    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qrow = Q + b.to(gl.int64) * stride_qb + (rows // H) * stride_qi + (rows % H) * stride_qh
+    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    for c in gl.static_range(9):
+        x = gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(gl.float16)
+        x = _kperm(x, _R)
+        if c < 8:
+            q_smem.slice(c * 64, 64, dim=1).store(x)
+        else:
+            qpe_smem.store(x)
+    fence_async_shared()
+    gl.thread_barrier()
+    launch_dependents()
+
+    # split pid_s writes partial slots 2 pid_s (even tiles) and 2 pid_s + 1 (odd tiles)
+    o_base = (2 * pid_s).to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = (2 * pid_s).to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    args = (q_smem, qpe_smem, k8, pe8, p_smem, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls,
+            seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
+    gl.warp_specialize([
+        (_fp8_wg, (args, 0, CAUSAL)),
+        (_fp8_wg, (args, 1, CAUSAL)),
+        (_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, block_size, 1)),
+    ], [4, 1], [232, 24])
+
+
+def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """True when ``launch_fp8`` handles these inputs: FP8 rows (float8_e4m3fn) that
+    ``decode_gluon.supports`` accepts, and at most 16 query rows (H * s_q)."""
+    return (kv_cache.dtype == torch.float8_e4m3fn and q.dim() == 4 and q.shape[1] * q.shape[2] <= _R.value
+            and supports(q, kv_cache))
+
+
+def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
+               num_splits: int | None = None, kv_scale: float = 1.0):
+    """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows for
+    H * s_q <= 16 (``takes``). No host synchronisation."""
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache.squeeze(2)
+    B, s_q, H, d = q.shape
+    block_size = kv_cache.shape[1]
+    if head_dim_v != _DV or d != _D or not takes(q, kv_cache):
+        raise ValueError("launch_fp8: expected float8_e4m3fn rows of 576 that decode_gluon.supports() takes, "
+                         "head_dim_v 512 and H * s_q <= 16")
+    out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    if B == 0 or s_q == 0 or H == 0:
+        return out, lse
+    if num_splits is None:
+        num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
+    S = num_splits
+    o_part, l_part = two_partials(q, S)
+    kv_desc, _, _ = _descriptors(kv_cache, kv_fmt(kv_cache), 64, gl.float16)
+    _fp8_kernel[(S, B)](
+        q, kv_desc, block_table, cache_seqlens, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0), l_part.stride(1), l_part.stride(2),
+        H, s_q, block_size, S, softmax_scale * _LOG2E * kv_scale, float(kv_scale),
+        CAUSAL=bool(causal),
+        SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16),
+        P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
+        num_warps=4, maxnreg=168,
+    )
+    combine(o_part, l_part, out, lse)
+    return out, lse
