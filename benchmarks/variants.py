@@ -20,7 +20,7 @@ def edit(src: str, old: str, new: str) -> str:
 
 def absolute_imports(src: str) -> str:
     """The module's relative imports made absolute, so that a copy imports from elsewhere."""
-    for rel in ("decode_gluon", "decode"):
+    for rel in ("decode_gluon_narrow", "decode_gluon", "decode"):
         src = src.replace(f"from .{rel} import", f"from mla.ops.triton.{rel} import")
     return edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
 
