@@ -32,7 +32,8 @@ online softmax and O^T (two partial results per split, merged with the other spl
 ``decode.combine``), and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
 mbarrier per tile). A warpgroup hands its stage back to the loader as soon as the tile is in
 its registers, before the MMAs; tail rows (NaN in unused slots) are zeroed in shared memory
-first. kv_scale is folded into the softmax scale and the output.
+first. Row sums of P stay per thread (each its own keys, the same rescales) and are reduced
+across the warpgroup once, at the end. kv_scale is folded into the softmax scale and the output.
 """
 from __future__ import annotations
 
