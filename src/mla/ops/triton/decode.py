@@ -327,8 +327,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     """
     if use_gluon(q, kv_cache, head_dim_v):
         if use_narrow(q, kv_cache):
-            from .decode_gluon_fp8 import launch_fp8, takes
-            if takes(q, kv_cache):
+            if kv_cache.dtype == torch.float8_e4m3fn:   # use_gluon and use_narrow checked the rest
+                from .decode_gluon_fp8 import launch_fp8
                 return launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                                   kv_scale=kv_scale)
             from .decode_gluon_narrow import launch_narrow

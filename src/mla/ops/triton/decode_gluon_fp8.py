@@ -23,7 +23,7 @@ the orders that make every thread's bytes adjacent in shared memory:
   and the query is stored in shared memory in the k' order (``_kperm``).
 - O^T: lane group (w, g) of the A fragment owns rows 16 w + g and + 8 of each of the eight
   64-row MMA tiles i; those 16 rows are the adjacent value columns 16 (8 w + g) .. + 15 (row
-  r = 64 i + 16 w + 8 h + g holds column 128 w + 16 g + 2 i + h, ``_vcol``), so a lane reads a
+  r = 64 i + 16 w + 8 h + g holds column 128 w + 16 g + 2 i + h: the "column order" of O^T), so a lane reads a
   key's 16 columns with one load. The keys of a k16 MMA are lane t's {2t, 2t+1, 2t+8, 2t+9},
   the order P^T has anyway.
 
@@ -50,17 +50,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import kv_fmt
 from .decode import combine
 from .decode_gluon import _D, _DV, _LOG2E, _descriptors, _loader, _zero_tail, default_splits, launch_dependents, supports
-from .decode_gluon_narrow import two_partials
+from .decode_gluon_narrow import _acc_layout, two_partials
 
 __all__ = ["launch_fp8", "takes"]
 
 _R = gl.constexpr(16)     # query rows per program (the MMAs' N)
 _NST = gl.constexpr(4)         # FP8 tiles in the ring (even: each stage always serves the same warpgroup)
-
-
-@gluon.constexpr_function
-def _acc_layout():
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _R, 16])
 
 
 @gluon.constexpr_function
@@ -98,7 +93,7 @@ def _o_layout():
 def _k_frag(src):
     """64 columns of a key tile (FP8, shared) -> the S^T MMA's A operand (fp16, registers), its
     columns in the k' order of the module docstring."""
-    A_L: gl.constexpr = _acc_layout()
+    A_L: gl.constexpr = _acc_layout(_R)
     x = _kperm(src.load(_k_load_layout()).to(gl.float16), 64)
     return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=2))
 
@@ -106,8 +101,8 @@ def _k_frag(src):
 @gluon.jit
 def _v_frag(x):
     """16 keys x 512 value columns (FP8, registers) -> V^T, the O^T MMA's A operand (fp16), its
-    rows in the ``_vcol`` order."""
-    A_L: gl.constexpr = _acc_layout()
+    rows in O^T's column order (module docstring)."""
+    A_L: gl.constexpr = _acc_layout(_R)
     y = x.to(gl.float16).permute((1, 0))
     y = y.reshape([4, 8, 8, 2, 16]).permute((2, 0, 3, 1, 4)).reshape([512, 16])
     return gl.convert_layout(y, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=2))
@@ -121,19 +116,13 @@ def _kperm(x, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _vcol(r):
-    """The value column held by row r of O^T: r = 64 i + 16 w + 8 h + g -> 128 w + 16 g + 2 i + h."""
-    return ((r >> 4) & 3) * 128 + (r & 7) * 16 + (r >> 6) * 2 + ((r >> 3) & 1)
-
-
-@gluon.jit
 def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
     (q_smem, qpe_smem, k8, pe8, p_smem, ready, free, O, LSE, o_base, stride_os, l_base, stride_ls,
      seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     o_base += WG * stride_os                          # this warpgroup's partial slot of the split
     l_base += WG * stride_ls
-    A_L: gl.constexpr = _acc_layout()
+    A_L: gl.constexpr = _acc_layout(_R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
     r = gl.arange(0, _R, layout=COL_L)
     if CAUSAL:
@@ -210,9 +199,9 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
             a_prev = a_c
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     # this warpgroup's partial result (its own split slot): O [rows, 512] from O^T, and its lse.
-    # O^T's rows put back in column order (the inverse of _vcol; registers only): each lane
+    # O^T's rows put back in column order (registers only): each lane
     # then holds 16 adjacent columns of its query rows, stored 16 bytes at a time (stored in the
-    # _vcol order, every 4-byte value went to its own 32-byte sector)
+    # permuted order, every 4-byte value went to its own 32-byte sector)
     l_i = gl.sum(l_t, axis=0)
     empty = l_i == 0.0
     inv = v_scale / gl.where(empty, 1.0, l_i)
