@@ -65,8 +65,8 @@ def fp8_kernel(m=None):
             "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
     sig = {"Q": "*bf16", "kv_desc": desc, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
            "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in ints}}
-    cx = {"CAUSAL": True, "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16),
-          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16), "num_warps": 4}
+    cx = {"CAUSAL": True, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
+          "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv), "num_warps": 4}
     aligned = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob",
                "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]   # 16 heads, 16 rows, page 64
     return compile_gluon(m._fp8_kernel, sig, cx, aligned, maxnreg=168)

@@ -47,7 +47,12 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 '''
 
 
+MODES = ("shipped", "no_loads", "no_softmax", "no_pv")
+
+
 def variant_source(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} ({', '.join(MODES)})")
     src = absolute_imports((KERNELS / "decode_gluon_fp8.py").read_text())
     if mode == "no_loads":
         src = edit(src, "\n@gluon.jit\ndef _fp8_kernel(", ARRIVE_LOADER)
@@ -60,8 +65,6 @@ def variant_source(mode: str) -> str:
         stop_text = "        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))\n"
         stop = src.index(stop_text, start) + len(stop_text)
         src = src[:start] + src[stop:]
-    elif mode != "shipped":
-        raise ValueError(f"unknown mode {mode!r}")
     return src
 
 
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     mods = {m: load_module(variant_source(m), "fp8reg_" + m.replace("+", "_"), work)
             for m in ["shipped", *args.modes]}
     names = ["bf16 narrow", "fp8 narrow", *mods]
-    print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{n:>12}" for n in names) + "   (us; err of shipped)")
+    print(f"{'H':>4} {'B':>4} {'L':>6} " + " ".join(f"{n:>12}" for n in names) + "   (us; rel. err of each variant)")
     for H, B, L in shapes:
         c = bench.decode_case(H, B, L, 1, 64, kv_format="fp8")
         bf16 = quant.dequantize_rows(c["kv"].view(-1, c["kv"].shape[-1]), "fp8", bench.DL, torch.bfloat16)
@@ -90,11 +93,12 @@ def main(argv=None) -> int:
         launchers = {"fp8 narrow": lambda kv: run(decode_gluon_narrow.launch_narrow, kv),
                      **{m: (lambda kv, mod=mod: run(mod.launch_fp8, kv)) for m, mod in mods.items()}}
         times, err = time_launchers(c, launchers)
+        errs = {m: time_launchers(c, {m: launchers[m]}, checked=m, timed=False)[1] for m in mods}
         cb = dict(c, kv=bf16)
         t_bf16, _ = time_launchers(cb, {"bf16 narrow": lambda kv: run(decode_gluon_narrow.launch_narrow, kv)},
                                    checked="bf16 narrow")
         times.update(t_bf16)
-        print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + f"   {err:.1e}", flush=True)
+        print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + "   " + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
         del c, cb, bf16
         torch.cuda.empty_cache()
     return 0

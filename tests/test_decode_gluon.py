@@ -4,7 +4,8 @@ GPU-only: skipped without CUDA or without a compute-capability-9.x device. DeepS
 (d = 576, dv = 512), bf16/fp16, page 64 and 128; fresh random data, shuffled block tables,
 NaN in every unused block, in the slots past each sequence's end and behind unused
 block-table entries. Tolerance: the kernel's error against float64 at most twice that of
-PyTorch doing the same in the input precision; lse within 1e-5 relative.
+PyTorch doing the same in the input precision; lse within 1e-5 relative (the FP8 kernel's e4m3
+MMAs: within the bound of their accumulation, ``fp8_mma_lse_bound``).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def attend(q, kv, table, seqlens, scale, causal, dtype):
 
 def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, kv_fmt="plain", kv_scale=1.0,
           **kw):
+    e4m3_mma = kw.get("kernel") == "fp8reg"
     """kv_fmt "fp8" / "fp8_tile": the kernel reads FP8 rows of the case's cache; the oracles see
     those rows dequantized (in q's dtype: exact for fp8 with a power-of-two kv_scale, and the
     kernel rounds a tile row's value times its scale to q's dtype the same way)."""
@@ -71,8 +73,32 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
     fin = ~empty
     if fin.any():
         lse_err = ((lse[fin] - ref_lse[fin]).abs() / ref_lse[fin].abs().clamp_min(1.0)).max().item()
-        assert lse_err <= 1e-5, f"lse rel err {lse_err:.3e}"
+        if e4m3_mma:
+            # S^T from e4m3 tensor-core MMAs: see fp8_mma_lse_bound
+            bound = fp8_mma_lse_bound(q, kv, table, seqlens, scale)
+            lse_diff = (lse - ref_lse)[fin].abs()
+            assert (lse_diff <= bound[fin] + 1e-5 * ref_lse[fin].abs()).all(), \
+                f"lse err {lse_diff.max().item():.3e} above the e4m3 MMA bound (max {bound[fin].max().item():.3e})"
+        else:
+            assert lse_err <= 1e-5, f"lse rel err {lse_err:.3e}"
     return err
+
+
+def fp8_mma_lse_bound(q, kv, table, seqlens, scale, bits=13, steps=18):
+    """Per query row, a bound on the lse error of scores summed by e4m3 tensor-core MMAs: their
+    sums keep about 13 fraction bits relative to the largest magnitude in them (DeepSeek-V3's
+    report: about 14; measured here 0.5-1.2e-4 relative at K = 32-128), once per k32 MMA of a
+    chained accumulation (576 columns: 18), so |error of s_j| <= steps 2^-bits sum_d |q_d k_jd|
+    and |error of lse| <= max_j of that (the exact query split makes the operands exact)."""
+    from mla.ops import reference
+
+    B, s_q, H, _ = q.shape
+    bound = torch.zeros(B, s_q, H, dtype=torch.float64)
+    for b, n in enumerate(seqlens.tolist()):
+        if n:
+            k = reference.gather_rows(kv, table[b], n).double().abs()
+            bound[b] = (q[b].double().abs() @ k.T).amax(-1).cpu()
+    return bound * scale * steps * 2.0 ** -bits
 
 
 @pytest.mark.parametrize("block_n", TILES)
