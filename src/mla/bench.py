@@ -153,7 +153,7 @@ GLUON_KERNELS = ("gluon:seesaw", "gluon:narrow", "gluon:fp8reg")
 def _gluon_provider(name):
     """One Hopper kernel by name, whatever the dispatch would pick: gluon:seesaw (query rows
     on M, ``decode_gluon``), gluon:narrow (keys on M, ``decode_gluon_narrow``) or gluon:fp8reg
-    (FP8 rows as register operands, ``decode_gluon_fp8``)."""
+    (FP8 rows, e4m3 MMAs for S, ``decode_gluon_fp8``)."""
     from mla.ops.triton import decode_gluon, decode_gluon_fp8, decode_gluon_narrow
 
     launch = {"gluon:seesaw": decode_gluon.launch_gluon, "gluon:narrow": decode_gluon_narrow.launch_narrow,
