@@ -2,8 +2,8 @@
 
     PYTHONPATH=/tmp/site:src python3 benchmarks/gpu.py [--quick]
 
-1. decode (``mla bench decode``): the dispatched op, the Triton kernel and both Gluon kernels
-   by name, FlashInfer fa3 when installed (../shared/peers.md), naive PyTorch; DeepSeek-V3
+1. decode (``mla bench decode``): the dispatched op, the Triton kernel and the Gluon kernels
+   by name (the FP8 one on the FP8 rows; it refuses tile rows, which the table shows), FlashInfer fa3 when installed (../shared/peers.md), naive PyTorch; DeepSeek-V3
    shapes, 16 and 128 heads; bf16 cache, and the FP8 caches at 16 heads.
 2. prefill (``mla bench prefill``): prefill attention against SDPA, RoPE + append, gather,
    merge, the layer's context phase.
@@ -30,7 +30,8 @@ if __name__ == "__main__":
     batch = ["--batch", "1", "128"] if quick else []
     kernels = ["--variants", "default,gluon:seesaw,gluon:narrow"]
     rc = bench(["decode", "--kv-len", "4096", "16384"] + batch + kernels)
-    rc |= bench(["decode", "--heads", "16", "--kv", "fp8", "fp8_tile", "--kv-len", "4096", "16384"] + batch + kernels)
+    rc |= bench(["decode", "--heads", "16", "--kv", "fp8", "fp8_tile", "--kv-len", "4096", "16384"] + batch
+                + [kernels[0], kernels[1] + ",gluon:fp8reg"])
     rc |= bench(["prefill"] + (["--quick"] if quick else []))
     rc |= fp8_gemm.main(["--m", "1", "64", "4096"] if quick else [])
     rc |= fp8_layer.main(["--batch", "1", "128"])
