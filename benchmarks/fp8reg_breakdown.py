@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variants import KERNELS, absolute_imports, edit, load_module, parse_shapes, time_launchers  # noqa: E402
 
 from mla import bench, quant  # noqa: E402
+from mla.ops import reference  # noqa: E402
 
 SHAPES = ["16,128,16384", "16,32,16384", "16,128,4096", "16,32,4096", "16,1,16384"]
 
@@ -92,13 +93,15 @@ def main(argv=None) -> int:
             return fn(c["q"], kv, c["table"], c["seqlens"], bench.DL, c["scale"], True)[0]
         launchers = {"fp8 narrow": lambda kv: run(decode_gluon_narrow.launch_narrow, kv),
                      **{m: (lambda kv, mod=mod: run(mod.launch_fp8, kv)) for m, mod in mods.items()}}
-        times, err = time_launchers(c, launchers)
-        errs = {m: time_launchers(c, {m: launchers[m]}, checked=m, timed=False)[1] for m in mods}
+        times, _ = time_launchers(c, launchers)
+        ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0].float()
+        errs = {m: bench._rel_err(launchers[m](c["kv"]), ref) for m in mods}
         cb = dict(c, kv=bf16)
         t_bf16, _ = time_launchers(cb, {"bf16 narrow": lambda kv: run(decode_gluon_narrow.launch_narrow, kv)},
                                    checked="bf16 narrow")
         times.update(t_bf16)
-        print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + "   " + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
+        print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + "   "
+              + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
         del c, cb, bf16
         torch.cuda.empty_cache()
     return 0

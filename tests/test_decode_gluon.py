@@ -43,10 +43,10 @@ def attend(q, kv, table, seqlens, scale, causal, dtype):
 
 def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, kv_fmt="plain", kv_scale=1.0,
           **kw):
-    e4m3_mma = kw.get("kernel") == "fp8reg"
     """kv_fmt "fp8" / "fp8_tile": the kernel reads FP8 rows of the case's cache; the oracles see
     those rows dequantized (in q's dtype: exact for fp8 with a power-of-two kv_scale, and the
     kernel rounds a tile row's value times its scale to q's dtype the same way)."""
+    e4m3_mma = kw.get("kernel") == "fp8reg"
     q, kv, table, seqlens = make_case(lens, s_q, H, block_size, dtype, seed)
     stored = kv
     if kv_fmt != "plain":    # NaN rows stay NaN (tile rows: NaN scales)
