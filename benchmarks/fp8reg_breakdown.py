@@ -86,8 +86,8 @@ Q_IN_WG = [
      "        mbarrier.arrive(qbar, count=1)\n"
      "    else:\n"
      "        mbarrier.wait(qbar, 0)\n"),
-    ("    free = gl.allocate_shared_memory(gl.int64, [_NST, 1], mbarrier.MBarrierLayout())\n",
-     "    free = gl.allocate_shared_memory(gl.int64, [_NST, 1], mbarrier.MBarrierLayout())\n"
+    ("    ready, free = _ring_barriers(_NST)\n",
+     "    ready, free = _ring_barriers(_NST)\n"
      "    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())\n"
      "    mbarrier.init(qbar, count=1)\n"),
     ("    _store_q8(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, q8, QL)\n", ""),

@@ -45,7 +45,8 @@ def _qk('''
 def variant_source(mode: str) -> str:
     src = absolute_imports(SRC.read_text())
     if mode in ("no_tiles", "no_tiles_q", "no_tiles_store"):
-        src = edit(src, "n_tiles = gl.maximum(end - start + BN - 1, 0) // BN", "n_tiles = gl.minimum(end - start, 0)")
+        src = edit(src, "_split_tiles(SEQLENS, b, pid_s, num_splits, BN)\n",
+                   "_split_tiles(SEQLENS, b, pid_s, num_splits, BN)\n    n_tiles = gl.minimum(end - start, 0)\n")
         if mode == "no_tiles_q":       # nor the query loads (all masked off)
             src = edit(src, "qmask = (rows < H * S_Q)", "qmask = (rows < 0)")
             src = edit(src, "mask = (rows < H * S_Q)[:, None] & (cols < 64)", "mask = (rows < 0)[:, None] & (cols < 64)")

@@ -431,6 +431,31 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
 
 
 @gluon.jit
+def _split_tiles(SEQLENS, b, pid_s, num_splits, BN: gl.constexpr):
+    """Sequence b's length and split pid_s's keys [start, end), in n_tiles tiles of BN keys: each
+    split gets whole 64-key chunks (default_splits counts on that), the last split the rest."""
+    seqlen = gl.load(SEQLENS + b)
+    per_split = (seqlen + num_splits - 1) // num_splits
+    chunk = (per_split + 63) // 64 * 64
+    start = pid_s * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    return seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN
+
+
+@gluon.jit
+def _ring_barriers(NBUF: gl.constexpr):
+    """The mbarriers of a ring that ``_loader`` fills: ready[9 slot + c] (one per 64-column box;
+    FP8 rows use ready[9 slot] for the whole tile) and free[slot], all with one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF * 9, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF * 9):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(free.index(i), count=1)
+    return ready, free
+
+
+@gluon.jit
 def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
             KV_FMT: gl.constexpr, HALVES: gl.constexpr = False):
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
@@ -564,12 +589,7 @@ def _seesaw_kernel(
         st8 = (k8, pe8, sc8, free8)
         ring, ring_pe, ring_sc, free = st8
 
-    seqlen = gl.load(SEQLENS + b)
-    per_split = (seqlen + num_splits - 1) // num_splits
-    chunk = (per_split + 63) // 64 * 64
-    start = pid_s * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    n_tiles = gl.maximum(end - start + BN - 1, 0) // BN
+    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, BN)
     bt_row = b.to(gl.int64) * stride_bt
 
     ml = pid_m * 64

@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import _D, _DV, _LOG2E, _descriptors, _loader, _zero_tail, default_splits, launch_dependents, supports
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _zero_tail,
+                           default_splits, launch_dependents, supports)
 from .decode_gluon_narrow import _acc_layout, two_partials
 
 __all__ = ["launch_fp8", "takes"]
@@ -261,18 +262,8 @@ def _fp8_kernel(
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
     pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [_NST * 9, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [_NST, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_NST * 9):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(_NST):
-        mbarrier.init(free.index(i), count=1)
-    seqlen = gl.load(SEQLENS + b)
-    per_split = (seqlen + num_splits - 1) // num_splits
-    chunk = (per_split + 63) // 64 * 64
-    start = pid_s * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    n_tiles = gl.maximum(end - start + 63, 0) // 64
+    ready, free = _ring_barriers(_NST)
+    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     bt_row = b.to(gl.int64) * stride_bt
 
     # the query rows as two e4m3 terms under a power-of-two scale per row

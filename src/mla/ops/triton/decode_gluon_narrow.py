@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _widen, _zero_tail, default_splits,
-                           launch_dependents, supports)
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _widen, _zero_tail,
+                           default_splits, launch_dependents, supports)
 
 __all__ = ["launch_narrow", "narrow_rows", "two_partials"]
 
@@ -151,23 +151,13 @@ def _narrow_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SM_L)      # one 64-key tile per warpgroup
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
-    seqlen = gl.load(SEQLENS + b)
-    per_split = (seqlen + num_splits - 1) // num_splits
-    chunk = (per_split + 63) // 64 * 64
-    start = pid_s * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    n_tiles = gl.maximum(end - start + 63, 0) // 64
+    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     bt_row = b.to(gl.int64) * stride_bt
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
-        ready = gl.allocate_shared_memory(gl.int64, [2 * 9, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2 * 9):
-            mbarrier.init(ready.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(free.index(i), count=1)
+        ready, free = _ring_barriers(2)
         st8 = (k_smem, kpe_smem, k_smem, free)            # not used
         ring, ring_pe, ring_sc = k_smem, kpe_smem, k_smem
         n_loads = n_tiles
@@ -179,12 +169,7 @@ def _narrow_kernel(
         else:
             pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NST, 32, 64], pe_desc.layout)
             sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NST, 32, 4], sc_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NST * 9, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NST * 9):
-            mbarrier.init(ready.index(i), count=1)
-        for i in gl.static_range(NST):
-            mbarrier.init(free.index(i), count=1)
+        ready, free = _ring_barriers(NST)
         st8 = (k8, pe8, sc8, free)
         ring, ring_pe, ring_sc = k8, pe8, sc8
         n_loads = gl.maximum(end - start + 31, 0) // 32
