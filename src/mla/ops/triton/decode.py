@@ -360,8 +360,8 @@ def use_narrow(q, kv_cache) -> bool:
     at 16 heads the keys-on-M kernel took 0.83-0.99x the other's time at batch 32 and 128 (bf16:
     4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md); 32 rows, batches 2-31: not
     measured, left to the other kernel. Of the keys-on-M kernels, FP8 rows (per-tensor scale)
-    go to ``decode_gluon_fp8`` (register operands: 0.57-0.72x the widening kernel's time at
-    B 32/128 x 4k/16k), the rest to ``decode_gluon_narrow``."""
+    go to ``decode_gluon_fp8`` (e4m3 MMAs for S, no widening: 0.49-0.69x the widening kernel's
+    time at B 32/128 x 4k/16k), the rest to ``decode_gluon_narrow``."""
     return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
 
 
