@@ -68,7 +68,7 @@ def variant_source(mode: str) -> str:
     elif mode == "no_softmax":
         src = edit(src, SOFTMAX, "        p = s\n        alpha = m_i * 0.0 + 1.0\n        l_t = l_t + 1.0\n")
     elif mode == "no_combine":
-        src = edit(src, "    combine(o_part, l_part, out, lse)\n", "")
+        src = edit(src, "    if S > 1:\n        combine(o_part, l_part, out, lse)\n", "")
     elif mode in ("no_tiles", "no_tiles_store"):
         src = edit(src, SPLIT, SPLIT + "    n_tiles = gl.minimum(n_tiles, 0)\n")
         if mode == "no_tiles_store":
