@@ -2,7 +2,7 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py fp8
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,seesaw,narrow}
 """
 from __future__ import annotations
 
@@ -72,11 +72,43 @@ def fp8_kernel(m=None):
     return compile_gluon(m._fp8_kernel, sig, cx, aligned, maxnreg=168)
 
 
+_INTS = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
+         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
+_ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
+            "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
+
+
+def _bf16_sig(extra: dict) -> dict:
+    bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    desc = f"tensordesc<bf16[64, 64],{bf16_l!r}>"
+    return {"Q": "*bf16", "kv_desc": desc, "pe_desc": desc, "sc_desc": desc, "BT": "*i32", "SEQLENS": "*i32",
+            "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}, **extra}
+
+
+def seesaw_kernel():
+    """``decode_gluon``'s seesaw on bf16 rows, 64-key tiles, float32 partials (128 heads)."""
+    from mla.ops.triton import decode_gluon as m
+    bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"})
+    cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": False,
+          "num_warps": 4}
+    return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
+
+
+def narrow_kernel():
+    """``decode_gluon_narrow``'s kernel on bf16 rows, 16 query rows, a ring of two tiles."""
+    from mla.ops.triton import decode_gluon_narrow as m
+    cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
+          "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "num_warps": 4}
+    return compile_gluon(m._narrow_kernel, _bf16_sig({}), cx, _ALIGNED, maxnreg=168)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["fp8"])
+    p.add_argument("kernel", choices=["fp8", "seesaw", "narrow"])
     a = p.parse_args()
-    k = {"fp8": fp8_kernel}[a.kernel]()
+    k = {"fp8": fp8_kernel, "seesaw": seesaw_kernel, "narrow": narrow_kernel}[a.kernel]()
     usage, ops = sass_counts(k)
     print(f"shared {k.metadata.shared} B; {usage}")
     print(dict(sorted(ops.items())))
