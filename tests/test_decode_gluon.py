@@ -226,6 +226,40 @@ def test_dispatch_picks_fp8_register_kernel():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("kernel", ["seesaw", "narrow", "fp8reg"])
+def test_dependent_launch_same_bits(kernel, monkeypatch):
+    """Launched as programmatic dependents (decode.PDL, at most 32 rows) the kernels wait for
+    the kernels before them: the same bits as in plain stream order, eagerly and replayed from a
+    CUDA graph right after a kernel that rewrites the query, with one split and with several."""
+    from mla.ops.triton import decode
+    q, kv, table, seqlens = make_case([5, 4000, 700, 64 * 20], 1, 16, 64, torch.bfloat16, seed=12)
+    if kernel == "fp8reg":
+        kv = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8", DV, 1.0).view(*kv.shape[:2], -1)
+    launch = {"seesaw": dg.launch_gluon, "narrow": dn.launch_narrow, "fp8reg": df.launch_fp8}[kernel]
+    q0 = q.clone()
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(decode, "PDL", pdl)
+        for S in (1, 5):
+            q.fill_(float("nan"))
+            q.copy_(q0)          # the write the kernel must wait for
+            eager = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                q.copy_(q0)
+                graphed = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S)
+            q.fill_(float("nan"))
+            graphed[0].fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            results[pdl, S] = (eager, graphed)
+    for S in (1, 5):
+        ref_out, ref_lse = results[False, S][0]
+        assert not torch.isnan(ref_out).any()
+        for out, lse in (results[False, S][1], *results[True, S]):
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_entry_point_and_graph_capture():
     q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 64, torch.bfloat16, seed=9)
     scale = 1 / math.sqrt(576)

@@ -289,3 +289,15 @@ def test_gluon_split_rule_on_132_sms(monkeypatch):
     }
     for (B, rows, L), want in cases.items():
         assert dg.default_splits(B, rows, L, dev) == want, (B, rows, L)
+
+
+def test_gluon_dependent_launch_rule(monkeypatch):
+    # host-only: the Gluon kernels are programmatic dependents with decode.PDL and at most 32
+    # query rows (where it measured faster on the H200), in plain stream order otherwise
+    from mla.ops.triton import decode_gluon as dg
+
+    monkeypatch.setattr(decode, "PDL", True)
+    assert dg.pdl_launch(16) == dg.pdl_launch(32) == {"launch_pdl": True}
+    assert dg.pdl_launch(33) == dg.pdl_launch(128) == {}
+    monkeypatch.setattr(decode, "PDL", False)
+    assert dg.pdl_launch(16) == {}

@@ -158,9 +158,11 @@ def _combine_kernel(
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), for BLOCK_R query
     rows (m = i * H + h) and BLOCK_D output columns of one sequence, BLOCK_S splits at a time.
-    PDL: launched as a programmatic dependent of the split kernel, so wait for its writes."""
+    PDL: launched as a programmatic dependent of the split kernel, so wait for its writes, and
+    let the kernel after it (the next step's split kernel, itself a dependent) be placed."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
@@ -198,9 +200,10 @@ def _combine_kernel(
         tl.store(LSE + b.to(tl.int64) * stride_Lb + qi * stride_Li + h, lse, mask=r_ok)
 
 
-# Programmatic dependent launch of the combine (Hopper and later): its programs are placed on the
-# multiprocessors the split kernel frees and wait there for its writes, instead of the stream
-# launching them after the split kernel has drained. Off: plain stream order (benchmarks compare).
+# Programmatic dependent launch of the combine and of the Gluon split kernels (Hopper and later):
+# their programs are placed on the multiprocessors the kernel before them frees and wait there for
+# its writes, instead of the stream launching them after it has drained. Off: plain stream order
+# (benchmarks compare).
 PDL = True
 
 

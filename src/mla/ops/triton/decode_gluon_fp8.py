@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import kv_fmt
 from .decode import combine
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _zero_tail,
-                           default_splits, launch_dependents, supports)
+                           default_splits, launch_dependents, pdl_launch, supports, wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
 __all__ = ["launch_fp8", "takes"]
@@ -320,6 +320,7 @@ def _fp8_kernel(
     CAUSAL: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
+    wait_prerequisites()
     pid_s = gl.program_id(0)
     b = gl.program_id(1)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
@@ -394,7 +395,7 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         CAUSAL=bool(causal),
         P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
         Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
     if S > 1:
         combine(o_part, l_part, out, lse)

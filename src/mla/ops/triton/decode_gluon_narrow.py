@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .decode import combine
 from . import kv_fmt
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _widen, _zero_tail,
-                           default_splits, launch_dependents, supports)
+                           default_splits, launch_dependents, pdl_launch, supports, wait_prerequisites)
 
 __all__ = ["launch_narrow", "narrow_rows", "two_partials"]
 
@@ -144,6 +144,7 @@ def _narrow_kernel(
     SM_L: gl.constexpr, P_SM: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
+    wait_prerequisites()
     pid_s = gl.program_id(0)
     b = gl.program_id(1)
     q_smem = gl.allocate_shared_memory(dtype, [R, 512], SM_L)
@@ -253,7 +254,7 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
         R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
         SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
         P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt),
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
     combine(o_part, l_part, out, lse)
     return out, lse
