@@ -39,7 +39,7 @@ from . import kv_fmt
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _widen, _zero_tail,
                            default_splits, launch_dependents, pdl_launch, supports, wait_prerequisites)
 
-__all__ = ["launch_narrow", "narrow_rows", "two_partials"]
+__all__ = ["launch_narrow", "narrow_rows"]
 
 
 @gluon.constexpr_function
@@ -211,14 +211,6 @@ def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
     return 0 if (R == 32 and kv_cache.dtype == torch.uint8) else R
 
 
-def two_partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 partials (out, lse) of a keys-on-M kernel: two results per split, one per
-    warpgroup (each has its own softmax state), for ``decode.combine``."""
-    B, s_q, H, _ = q.shape
-    return (torch.empty(2 * num_splits, B, s_q, H, _DV, dtype=torch.float32, device=q.device),
-            torch.empty(2 * num_splits, B, s_q, H, dtype=torch.float32, device=q.device))
-
-
 def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
                   num_splits: int | None = None, kv_scale: float = 1.0):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) for H * s_q <= 32 on
@@ -238,7 +230,9 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part = two_partials(q, S)
+    # two results per split, one per warpgroup (each has its own softmax state)
+    o_part = torch.empty(2 * S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(2 * S, B, s_q, H, dtype=torch.float32, device=q.device)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
