@@ -530,6 +530,15 @@ def pdl_launch(rows: int) -> dict:
     return {"launch_pdl": True} if _decode.PDL and rows <= 32 else {}
 
 
+@gluon.constexpr_function
+def thread_major(layout):
+    """A shared layout for a tensor in the distributed linear ``layout`` (``gl.to_linear_layout``)
+    of one warpgroup: register k of thread t at word 128 k + t, so that a warp's access to one
+    register is 128 adjacent bytes (no bank conflicts) and a warpgroup in the same layout reads
+    back what another wrote, thread for thread."""
+    return gl.SharedLinearLayout(list(layout.lane_bases) + list(layout.warp_bases) + list(layout.reg_bases))
+
+
 @gluon.jit
 def launch_dependents():
     """Let a programmatic dependent launch (the split combine, ``decode.PDL``) start once every

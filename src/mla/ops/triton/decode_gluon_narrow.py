@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .decode import combine
 from . import kv_fmt
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _widen, _zero_tail,
-                           default_splits, launch_dependents, pdl_launch, supports, wait_prerequisites)
+                           default_splits, launch_dependents, pdl_launch, supports, thread_major,
+                           wait_prerequisites)
 
 __all__ = ["launch_narrow", "narrow_rows"]
 
@@ -50,10 +51,8 @@ def _acc_layout(R):
 @gluon.jit
 def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
-     stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    o_base += WG * stride_os                          # this warpgroup's partial slot of the split
-    l_base += WG * stride_ls
+    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml, O, LSE, o_base, l_base,
+     seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     R: gl.constexpr = q_smem.shape[0]
     NBUF: gl.constexpr = k_smem.shape[0]
     A_L: gl.constexpr = _acc_layout(R)
@@ -121,15 +120,34 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if KV_FMT == 0:
             mbarrier.arrive(free.index(WG), count=1)
-    # this warpgroup's partial result (its own split slot): O [rows, 512] from O^T, and its lse
-    empty = l_i == 0.0
-    inv = v_scale / gl.where(empty, 1.0, l_i)
-    out = acc * inv[None, :]
-    d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
-    row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
-    gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=(r < H * S_Q)[None, :] & (d < 512)[:, None])
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
+    # one result per split: warpgroup 1 hands O^T, its row max and sum to warpgroup 0 through
+    # shared memory (in its own tile, which no load reaches any more), warpgroup 0 merges them
+    XL: gl.constexpr = thread_major(gl.to_linear_layout(A_L, [512, R]))
+    xo = k_smem.index(1)._reinterpret(gl.float32, [512, R], XL)
+    if WG == 1:
+        xo.store(acc)
+        xml.slice(0, R).store(m_i)
+        xml.slice(R, R).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(xbar, count=1)
+    else:
+        mbarrier.wait(xbar, 0)
+        m1 = xml.slice(0, R).load(COL_L)
+        l1 = xml.slice(R, R).load(COL_L)
+        m = gl.maximum(m_i, m1)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        a0 = gl.exp2(m_i - m_safe)
+        a1 = gl.exp2(m1 - m_safe)
+        l_i = a0 * l_i + a1 * l1
+        empty = l_i == 0.0
+        inv = v_scale / gl.where(empty, 1.0, l_i)
+        out = acc * (a0 * inv)[None, :] + xo.load(A_L) * (a1 * inv)[None, :]
+        d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
+        row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
+        gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty),
+                 mask=(r < H * S_Q)[None, :] & (d < 512)[:, None])
+        lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
 
 
 @gluon.jit
@@ -157,6 +175,9 @@ def _narrow_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())    # warpgroup 1's result is in
+    mbarrier.init(xbar, count=1)
+    xml = gl.allocate_shared_memory(gl.float32, [2 * R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
         ready, free = _ring_barriers(2)
         st8 = (k_smem, kpe_smem, k_smem, free)            # not used
@@ -189,11 +210,11 @@ def _narrow_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    # split pid_s writes partial slots 2 pid_s (even tiles) and 2 pid_s + 1 (odd tiles)
-    o_base = (2 * pid_s).to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = (2 * pid_s).to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, O, LSE, o_base, stride_os, l_base,
-            stride_ls, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
+    # split pid_s writes partial slot pid_s (the output itself when there is one split)
+    o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml, O, LSE, o_base, l_base,
+            seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
     gl.warp_specialize([
         (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
         (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
@@ -230,9 +251,11 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    # two results per split, one per warpgroup (each has its own softmax state)
-    o_part = torch.empty(2 * S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(2 * S, B, s_q, H, dtype=torch.float32, device=q.device)
+    if S == 1:
+        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o_part = torch.empty(S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
@@ -250,5 +273,6 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
         P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt),
         num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
-    combine(o_part, l_part, out, lse)
+    if S > 1:
+        combine(o_part, l_part, out, lse)
     return out, lse
