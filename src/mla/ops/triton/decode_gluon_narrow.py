@@ -14,13 +14,16 @@ with R = 16 or 32 query rows, a quarter or half of the padded work. The softmax 
 columns of S^T (per query row, across the keys of the tile).
 
 Grid (splits, B). Partitions: two warpgroups that take alternate tiles, each with its own
-online softmax and its own O^T (written as two partial results of the split, merged with the
-other splits by ``decode.combine``), and a 1-warp TMA loader:
+online softmax and its own O^T, and a 1-warp TMA loader:
     bf16/fp16 rows: a ring of two 64-key tiles, one per warpgroup, 9 boxes per tile;
     FP8 rows:       a staging ring of 32-key FP8 tiles that each warpgroup widens into its own
                     64-key tile (``decode_gluon._widen``) before its S^T.
 Masking as in ``decode_gluon``: tail rows of a tile zeroed in shared memory (0 * NaN), keys past
-each query's causal limit at -inf.
+each query's causal limit at -inf. At the end warpgroup 1 hands O^T, its row max and sum to
+warpgroup 0 through its own tile (thread-major, ``decode_gluon.thread_major``) and warpgroup 0
+merges them: one result per split for ``decode.combine``, or the output itself when there is one
+split. Against two results per split: 0.91-0.98x the time on the H200 (16 heads bf16, B 32 / 128
+x 1k / 4k); a first merge through a plain row-major buffer had measured 1.02-1.08x slower.
 """
 from __future__ import annotations
 
