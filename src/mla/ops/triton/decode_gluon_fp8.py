@@ -55,7 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import kv_fmt
 from .decode import combine
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _zero_tail,
-                           default_splits, launch_dependents, pdl_launch, supports, wait_prerequisites)
+                           default_splits, launch_dependents, pdl_launch, supports, thread_major,
+                           wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
 __all__ = ["launch_fp8", "takes"]
@@ -98,32 +99,6 @@ def _swap_key_bits(x, GROUPS: gl.constexpr):
     four swap places): the O^T MMA's key order, the same in V^T and in P^T."""
     C: gl.constexpr = x.shape[1]
     return x.reshape([GROUPS, 2, 2, 2, 2, C]).permute((0, 1, 2, 4, 3, 5)).reshape([16 * GROUPS, C])
-
-
-@gluon.constexpr_function
-def _thread_layout():
-    """[64 registers, 128 threads]: O in ``_o_layout`` with each thread's 64 values down dim 0
-    (``_by_thread``), so that a warp's shared-memory store of one register is 128 adjacent bytes."""
-    reg = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [32, 0]]
-    lane = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]]
-    warp = [[0, 32], [0, 64]]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, 128])
-
-
-@gluon.jit
-def _by_thread(x):
-    """O [512, 16] in ``_o_layout`` -> [64, 128] in ``_thread_layout``, the same registers: the
-    register bits (rows 8 and 1, columns 8..1) down dim 0, the lane and warp bits (columns 256..16,
-    rows 4 and 2) along dim 1."""
-    y = x.reshape([2] * 13).permute((9, 12, 5, 6, 7, 8, 0, 1, 2, 3, 4, 10, 11)).reshape([64, 128])
-    return gl.convert_layout(y, _thread_layout())
-
-
-@gluon.jit
-def _from_thread(y):
-    """The inverse of ``_by_thread``."""
-    x = y.reshape([2] * 13).permute((6, 7, 8, 9, 10, 2, 3, 4, 5, 0, 11, 12, 1)).reshape([512, _R])
-    return gl.convert_layout(x, _o_layout())
 
 
 @gluon.jit
@@ -279,9 +254,9 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     # memory (O in its ring stage, which no tile reaches any more), and warpgroup 0 merges them
     l_i = gl.sum(l_t, axis=0)
     out = _column_order(acc)
-    xo = k8.index(1)._reinterpret(gl.float32, [64, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    xo = k8.index(1)._reinterpret(gl.float32, [512, _R], thread_major(_o_layout()))
     if WG == 1:
-        xo.store(_by_thread(out))
+        xo.store(out)
         xml.slice(0, _R).store(m_i)
         xml.slice(_R, _R).store(l_i)
         gl.thread_barrier()
@@ -300,7 +275,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
         OL: gl.constexpr = _o_layout()
         ROW_L: gl.constexpr = gl.SliceLayout(0, OL)
         out = (out * gl.convert_layout(a0 * inv, ROW_L)[None, :]
-               + _from_thread(xo.load(_thread_layout())) * gl.convert_layout(a1 * inv, ROW_L)[None, :])
+               + xo.load(OL) * gl.convert_layout(a1 * inv, ROW_L)[None, :])
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, OL))
         ro = gl.arange(0, _R, layout=ROW_L)
         row = O + o_base + (ro // H) * stride_oi + (ro % H) * stride_oh
