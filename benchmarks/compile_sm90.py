@@ -55,27 +55,23 @@ def compile_gluon(fn, signature: dict, constexprs: dict, aligned=(), num_warps: 
                           options=opts)
 
 
+_INTS = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
+         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
+_ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
+            "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
+
+
 def fp8_kernel(m=None):
     """``decode_gluon_fp8``'s kernel (or that of a module with the same kernel, e.g. a variant)."""
     if m is None:
         from mla.ops.triton import decode_gluon_fp8 as m
     fp8_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
     desc = f"tensordesc<fp8e4nv[64, 64],{fp8_l!r}>"
-    ints = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
-            "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
     sig = {"Q": "*bf16", "kv_desc": desc, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
-           "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in ints}}
+           "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}}
     cx = {"CAUSAL": True, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv), "num_warps": 4}
-    aligned = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob",
-               "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]   # 16 heads, 16 rows, page 64
-    return compile_gluon(m._fp8_kernel, sig, cx, aligned, maxnreg=168)
-
-
-_INTS = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
-         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
-_ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
-            "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
+    return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
 def _bf16_sig(extra: dict) -> dict:

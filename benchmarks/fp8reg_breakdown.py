@@ -9,7 +9,10 @@ Modes: no_loads (the loader arrives on the barriers instead of copying: compute 
 no_softmax (P = the masked scores, no row max or sums: the cross-warp reductions left out),
 no_pv (no O^T = V^T P^T: its loads, conversions and MMAs left out); the fixed cost:
 no_combine (the split kernel alone), no_tiles (no key tiles: launch, query split, partial
-stores and combine), no_tiles_store (no_tiles with the partial stores masked off).
+stores and combine), no_tiles_store (no_tiles with the partial stores masked off); timeline
+(the shipped kernel stamping %globaltimer into a buffer at each program's start, after its
+prologue and at its end, and its SM: prints how the programs' starts and ends spread over the
+kernel, which tells a slow pipeline fill from uneven finishing).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
@@ -53,8 +56,58 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 '''
 
 
-MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store")
+MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline")
 SPLIT = "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n"
+
+STAMP = '''
+TIMES = {}
+
+
+def _times(device):
+    """The stamp buffer [programs, 4] (start, after the prologue, end, SM) of the timeline mode."""
+    if device not in TIMES:
+        TIMES[device] = torch.zeros(1 << 16, 4, dtype=torch.int64, device=device)
+    return TIMES[device]
+
+
+@gluon.jit
+def _stamp(TL, prog, k: gl.constexpr):
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    gl.store(TL + prog.to(gl.int64) * 4 + k, t)
+    if k == 0:
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(TL + prog.to(gl.int64) * 4 + 3, sm.to(gl.int64))
+
+
+@gluon.jit
+def _fp8_kernel('''
+TIMELINE = [
+    ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
+    ("    Q, kv_desc, BT, SEQLENS, O, LSE,\n", "    Q, kv_desc, BT, SEQLENS, O, LSE, TL,\n"),
+    ("    pid_s = gl.program_id(0)\n    b = gl.program_id(1)\n",
+     "    pid_s = gl.program_id(0)\n    b = gl.program_id(1)\n    _stamp(TL, b * num_splits + pid_s, 0)\n"),
+    ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 1)\n"),
+    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 2)\n"),
+    ("        q, kv_desc, block_table, cache_seqlens, o_part, l_part,\n",
+     "        q, kv_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
+]
+
+
+def timeline(mod, launch, copies, S: int, B: int) -> str:
+    """One line on the programs' stamps of the last of len(copies) back-to-back launches: starts,
+    ends and durations (min / median / max, us from the first start) and the prologue's median."""
+    for kv in copies:
+        launch(kv)
+    torch.cuda.synchronize()
+    t = mod.TIMES[torch.device("cuda", torch.cuda.current_device())][: S * B].double().cpu()
+    t0 = t[:, 0].min()
+    start, mid, end = (t[:, 0] - t0) / 1e3, (t[:, 1] - t[:, 0]) / 1e3, (t[:, 2] - t0) / 1e3
+    dur = end - start
+
+    def q(x):
+        return f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"
+    return (f"{S * B} programs on {t[:, 3].unique().numel()} SMs: start {q(start)}, end {q(end)}, "
+            f"duration {q(dur)}, prologue {mid.median():.1f} us")
 
 
 def variant_source(mode: str) -> str:
@@ -74,6 +127,9 @@ def variant_source(mode: str) -> str:
         if mode == "no_tiles_store":
             src = edit(src, "mask=(ro < H * S_Q)[None, :]", "mask=(ro < 0)[None, :]")
             src = edit(src, "lse, mask=r < H * S_Q)", "lse, mask=r < 0)")
+    elif mode == "timeline":
+        for old, new in TIMELINE:
+            src = edit(src, old, new)
     elif mode == "no_pv":
         start = src.index("        a_prev = _v_frag(v0)\n")
         stop_text = "        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))\n"
@@ -136,6 +192,9 @@ def main(argv=None) -> int:
         times.update(t_bf16)
         print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + f"   S {s0}: "
               + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
+        if "timeline" in mods:
+            line = timeline(mods["timeline"], launchers["timeline"], bench.rotated_copies(c["kv"]), s0, B)
+            print(f"      timeline: {line}", flush=True)
         if args.profile:
             for m, fn in launchers.items():
                 ks = kernel_times(lambda fn=fn, c=c: fn(c["kv"]))
