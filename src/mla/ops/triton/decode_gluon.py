@@ -540,6 +540,49 @@ def thread_major(layout):
 
 
 @gluon.jit
+def _merge_buffers(R: gl.constexpr):
+    """The mbarrier and the [2 R] row maxima and sums through which warpgroup 1 hands its state
+    to warpgroup 0 (``_send_state``, ``_merge_weights``)."""
+    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(xbar, count=1)
+    xml = gl.allocate_shared_memory(gl.float32, [2 * R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return xbar, xml
+
+
+@gluon.jit
+def _send_state(xo, o, xml, m_i, l_i, xbar):
+    """Warpgroup 1's half of merging the two warpgroups' results of a split: its O (into xo, a
+    ``thread_major`` buffer in o's layout), row maxima and sums (xml [2 R]) into shared memory,
+    then xbar (one arrival)."""
+    R: gl.constexpr = m_i.shape[0]
+    xo.store(o)
+    xml.slice(0, R).store(m_i)
+    xml.slice(R, R).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar, count=1)
+
+
+@gluon.jit
+def _merge_weights(xml, xbar, m_i, l_i, v_scale):
+    """Warpgroup 0's half, once xbar says warpgroup 1's state is in: per query row the weights
+    (w0, w1) of out = w0 O0 + w1 O1 (the rescales to the common max over the merged sum, times
+    v_scale; 0 for a row that saw no key) and the merged lse (natural log, -inf without keys)."""
+    R: gl.constexpr = m_i.shape[0]
+    mbarrier.wait(xbar, 0)
+    m1 = xml.slice(0, R).load(m_i.type.layout)
+    l1 = xml.slice(R, R).load(m_i.type.layout)
+    m = gl.maximum(m_i, m1)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    a0 = gl.exp2(m_i - m_safe)
+    a1 = gl.exp2(m1 - m_safe)
+    l_i = a0 * l_i + a1 * l1
+    empty = l_i == 0.0
+    inv = v_scale / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return a0 * inv, a1 * inv, lse
+
+
+@gluon.jit
 def launch_dependents():
     """Let a programmatic dependent launch (the split combine, ``decode.PDL``) start once every
     program has passed this point, instead of after the last one exits (no-op without PDL)."""

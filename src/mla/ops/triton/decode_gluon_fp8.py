@@ -54,7 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _zero_tail,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights, _ring_barriers, _send_state,
+                           _split_tiles, _zero_tail,
                            default_splits, launch_dependents, pdl_launch, supports, thread_major,
                            wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
@@ -256,31 +257,16 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     out = _column_order(acc)
     xo = k8.index(1)._reinterpret(gl.float32, [512, _R], thread_major(_o_layout()))
     if WG == 1:
-        xo.store(out)
-        xml.slice(0, _R).store(m_i)
-        xml.slice(_R, _R).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(xbar, count=1)
+        _send_state(xo, out, xml, m_i, l_i, xbar)
     else:
-        mbarrier.wait(xbar, 0)
-        m1 = xml.slice(0, _R).load(COL_L)
-        l1 = xml.slice(_R, _R).load(COL_L)
-        m = gl.maximum(m_i, m1)
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        a0 = gl.exp2(m_i - m_safe)
-        a1 = gl.exp2(m1 - m_safe)
-        l_i = a0 * l_i + a1 * l1
-        empty = l_i == 0.0
-        inv = v_scale / gl.where(empty, 1.0, l_i)
+        w0, w1, lse = _merge_weights(xml, xbar, m_i, l_i, v_scale)
         OL: gl.constexpr = _o_layout()
         ROW_L: gl.constexpr = gl.SliceLayout(0, OL)
-        out = (out * gl.convert_layout(a0 * inv, ROW_L)[None, :]
-               + xo.load(OL) * gl.convert_layout(a1 * inv, ROW_L)[None, :])
+        out = out * gl.convert_layout(w0, ROW_L)[None, :] + xo.load(OL) * gl.convert_layout(w1, ROW_L)[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, OL))
         ro = gl.arange(0, _R, layout=ROW_L)
         row = O + o_base + (ro // H) * stride_oi + (ro % H) * stride_oh
         gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=(ro < H * S_Q)[None, :] & (d < 512)[:, None])
-        lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
 
 
@@ -303,9 +289,7 @@ def _fp8_kernel(
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
     pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
     ready, free = _ring_barriers(_NST)
-    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(xbar, count=1)
-    xml = gl.allocate_shared_memory(gl.float32, [2 * _R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     bt_row = b.to(gl.int64) * stride_bt
 

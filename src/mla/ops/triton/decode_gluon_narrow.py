@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _ring_barriers, _split_tiles, _widen, _zero_tail,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights, _ring_barriers, _send_state,
+                           _split_tiles, _widen, _zero_tail,
                            default_splits, launch_dependents, pdl_launch, supports, thread_major,
                            wait_prerequisites)
 
@@ -128,28 +129,14 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     XL: gl.constexpr = thread_major(gl.to_linear_layout(A_L, [512, R]))
     xo = k_smem.index(1)._reinterpret(gl.float32, [512, R], XL)
     if WG == 1:
-        xo.store(acc)
-        xml.slice(0, R).store(m_i)
-        xml.slice(R, R).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(xbar, count=1)
+        _send_state(xo, acc, xml, m_i, l_i, xbar)
     else:
-        mbarrier.wait(xbar, 0)
-        m1 = xml.slice(0, R).load(COL_L)
-        l1 = xml.slice(R, R).load(COL_L)
-        m = gl.maximum(m_i, m1)
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        a0 = gl.exp2(m_i - m_safe)
-        a1 = gl.exp2(m1 - m_safe)
-        l_i = a0 * l_i + a1 * l1
-        empty = l_i == 0.0
-        inv = v_scale / gl.where(empty, 1.0, l_i)
-        out = acc * (a0 * inv)[None, :] + xo.load(A_L) * (a1 * inv)[None, :]
+        w0, w1, lse = _merge_weights(xml, xbar, m_i, l_i, v_scale)
+        out = acc * w0[None, :] + xo.load(A_L) * w1[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
         row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
         gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty),
                  mask=(r < H * S_Q)[None, :] & (d < 512)[:, None])
-        lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
 
 
@@ -178,9 +165,7 @@ def _narrow_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())    # warpgroup 1's result is in
-    mbarrier.init(xbar, count=1)
-    xml = gl.allocate_shared_memory(gl.float32, [2 * R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    xbar, xml = _merge_buffers(R)     # warpgroup 1's result -> warpgroup 0
     if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
         ready, free = _ring_barriers(2)
         st8 = (k_smem, kpe_smem, k_smem, free)            # not used
