@@ -22,7 +22,9 @@ def absolute_imports(src: str) -> str:
     """The module's relative imports made absolute, so that a copy imports from elsewhere."""
     for rel in ("decode_gluon_narrow", "decode_gluon", "decode"):
         src = src.replace(f"from .{rel} import", f"from mla.ops.triton.{rel} import")
-    return edit(src, "from . import kv_fmt", "from mla.ops.triton import kv_fmt")
+    if "from . import " not in src:
+        raise RuntimeError("variant edit: expected the module's 'from . import' line")
+    return src.replace("from . import ", "from mla.ops.triton import ")
 
 
 def parse_shapes(items: list[str], fields: str) -> list[tuple[int, ...]]:
