@@ -301,3 +301,24 @@ def test_gluon_dependent_launch_rule(monkeypatch):
     assert dg.pdl_launch(33) == dg.pdl_launch(128) == {}
     monkeypatch.setattr(decode, "PDL", False)
     assert dg.pdl_launch(16) == {}
+
+
+def test_thread_major_layout_is_a_permutation_by_thread():
+    # host-only: decode_gluon.thread_major puts register k of thread t of a warpgroup layout at
+    # word 128 k + t: its offset bases are the lane, warp and register bases in that order, and
+    # every element of the tensor gets exactly one word
+    from mla.ops.triton import decode_gluon as dg
+    from mla.ops.triton import decode_gluon_fp8 as df
+
+    ol = df._o_layout()
+    sl = dg.thread_major(ol)
+    bases = sl.offset_bases
+    assert bases == list(ol.lane_bases) + list(ol.warp_bases) + list(ol.reg_bases)
+    seen = set()
+    for off in range(1 << len(bases)):
+        elem = [0, 0]
+        for bit, b in enumerate(bases):
+            if off >> bit & 1:
+                elem = [elem[0] ^ b[0], elem[1] ^ b[1]]
+        seen.add(tuple(elem))
+    assert len(seen) == 512 * 16 and all(0 <= r < 512 and 0 <= c < 16 for r, c in seen)
