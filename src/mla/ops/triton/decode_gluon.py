@@ -738,6 +738,16 @@ def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> i
     return triton.cdiv(max_len, _BLOCK_N * tiles)
 
 
+def split_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a split kernel writes its results: out and lse themselves when there is one split,
+    else float32 partials [num_splits, *out.shape] and [num_splits, *lse.shape] for
+    ``decode.combine``."""
+    if num_splits == 1:
+        return out.unsqueeze(0), lse.unsqueeze(0)
+    return (torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device),
+            torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=out.device))
+
+
 def _descriptors(kv_cache, fmt: int, block_n: int, gdt):
     """TMA descriptors over the cache rows as one 2-D matrix: (rows or FP8 latent, k_pe, scales);
     the last two only for FP8 tile rows (else the first again)."""
@@ -784,11 +794,7 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     if block_n is None:
         block_n = default_block_n(B, rows) if fmt == 0 else 32
     S = num_splits
-    if S == 1:
-        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o_part = torch.empty(S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
+    o_part, l_part = split_results(out, lse, S)
     # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly in one instruction a pair (bf16: three)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, block_n, gdt)

@@ -54,9 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights, _ring_barriers, _send_state,
-                           _split_tiles, _zero_tail,
-                           default_splits, launch_dependents, pdl_launch, supports, thread_major,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
+                           _ring_barriers, _send_state, _split_tiles, _zero_tail, default_splits,
+                           launch_dependents, pdl_launch, split_results, supports, thread_major,
                            wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
@@ -338,11 +338,7 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    if S == 1:
-        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o_part = torch.empty(S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
+    o_part, l_part = split_results(out, lse, S)
     kv_desc, _, _ = _descriptors(kv_cache, kv_fmt(kv_cache), 64, gl.float16)
     _fp8_kernel[(S, B)](
         q, kv_desc, block_table, cache_seqlens, o_part, l_part,

@@ -39,9 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights, _ring_barriers, _send_state,
-                           _split_tiles, _widen, _zero_tail,
-                           default_splits, launch_dependents, pdl_launch, supports, thread_major,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
+                           _ring_barriers, _send_state, _split_tiles, _widen, _zero_tail, default_splits,
+                           launch_dependents, pdl_launch, split_results, supports, thread_major,
                            wait_prerequisites)
 
 __all__ = ["launch_narrow", "narrow_rows"]
@@ -239,11 +239,7 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    if S == 1:
-        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o_part = torch.empty(S, B, s_q, H, _DV, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
+    o_part, l_part = split_results(out, lse, S)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
