@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             cases.append((c, launchers["shipped"]))
         n = set_combine_carveout(100)
         for row, (c, shipped) in zip(rows, cases):
-            row[2]["carveout"] = time_launchers(c, {"shipped": shipped})[0]["shipped"]
+            row[2]["carveout"] = time_launchers(c, {"shipped": shipped}, checked=None)[0]["shipped"]
         print(f"(carveout set on {n} compiled combine kernels)")
     cols = names + ("carveout",)
     print(f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kernel':>7} " + " ".join(f"{k:>14}" for k in cols) + "  err")
