@@ -10,9 +10,10 @@ no_softmax (P = the masked scores, no row max or sums: the cross-warp reductions
 no_pv (no O^T = V^T P^T: its loads, conversions and MMAs left out); the fixed cost:
 no_combine (the split kernel alone), no_tiles (no key tiles: launch, query split, partial
 stores and combine), no_tiles_store (no_tiles with the partial stores masked off); timeline
-(the shipped kernel stamping %globaltimer into a buffer at each program's start, after its
-prologue and at its end, and its SM: prints how the programs' starts and ends spread over the
-kernel, which tells a slow pipeline fill from uneven finishing).
+(the shipped kernel stamping %globaltimer at each program's entry, after its wait on the previous
+kernel, its tile split and its query split, when warpgroup 0 has its first tile and is done with
+its last, and at the end: prints how entries and ends spread over the kernel and the median of
+each step).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
@@ -64,50 +65,63 @@ TIMES = {}
 
 
 def _times(device):
-    """The stamp buffer [programs, 4] (start, after the prologue, end, SM) of the timeline mode."""
+    """The stamp buffer [programs, 8] of the timeline mode (columns: ``fp8reg_breakdown.STAMPS``)."""
     if device not in TIMES:
-        TIMES[device] = torch.zeros(1 << 16, 4, dtype=torch.int64, device=device)
+        TIMES[device] = torch.zeros(1 << 16, 8, dtype=torch.int64, device=device)
     return TIMES[device]
 
 
 @gluon.jit
 def _stamp(TL, prog, k: gl.constexpr):
     t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    gl.store(TL + prog.to(gl.int64) * 4 + k, t)
+    gl.store(TL + prog.to(gl.int64) * 8 + k, t)
     if k == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.store(TL + prog.to(gl.int64) * 4 + 3, sm.to(gl.int64))
+        gl.store(TL + prog.to(gl.int64) * 8 + 7, sm.to(gl.int64))
 
 
 @gluon.jit
 def _fp8_kernel('''
+# the stamps' columns, in program order (column 7 is the SM)
+STAMPS = ("entry", "waited", "tiles split", "query split", "first tile", "last tile", "end")
+PROG = "gl.program_id(1) * num_splits + gl.program_id(0)"
 TIMELINE = [
     ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
     ("    Q, kv_desc, BT, SEQLENS, O, LSE,\n", "    Q, kv_desc, BT, SEQLENS, O, LSE, TL,\n"),
-    ("    pid_s = gl.program_id(0)\n    b = gl.program_id(1)\n",
-     "    pid_s = gl.program_id(0)\n    b = gl.program_id(1)\n    _stamp(TL, b * num_splits + pid_s, 0)\n"),
-    ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 1)\n"),
-    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 2)\n"),
+    ("    gl.static_assert(num_warps == 4)\n    wait_prerequisites()\n",
+     f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n    wait_prerequisites()\n"
+     f"    _stamp(TL, {PROG}, 0)\n"),
+    ("    bt_row = b.to(gl.int64) * stride_bt\n", "    bt_row = b.to(gl.int64) * stride_bt\n    _stamp(TL, b * num_splits + pid_s, 2)\n"),
+    ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 3)\n"),
+    ("            v_scale)\n    gl.warp_specialize", "            v_scale, TL, b * num_splits + pid_s)\n    gl.warp_specialize"),
+    ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog) = a\n"),
+    ("        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)\n",
+     "        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)\n"
+     "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 4)\n"),
+    ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 5)\n    l_i = gl.sum(l_t, axis=0)\n"),
+    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),
     ("        q, kv_desc, block_table, cache_seqlens, o_part, l_part,\n",
      "        q, kv_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
 ]
 
 
 def timeline(mod, launch, copies, S: int, B: int) -> str:
-    """One line on the programs' stamps of the last of len(copies) back-to-back launches: starts,
-    ends and durations (min / median / max, us from the first start) and the prologue's median."""
+    """Lines on the programs' stamps in the last of len(copies) back-to-back launches: when the
+    programs enter, pass the wait on the previous kernel and end (min / median / max, us from the
+    first entry), and the median time between consecutive stamps (``STAMPS``)."""
     for kv in copies:
         launch(kv)
     torch.cuda.synchronize()
     t = mod.TIMES[torch.device("cuda", torch.cuda.current_device())][: S * B].double().cpu()
-    t0 = t[:, 0].min()
-    start, mid, end = (t[:, 0] - t0) / 1e3, (t[:, 1] - t[:, 0]) / 1e3, (t[:, 2] - t0) / 1e3
-    dur = end - start
+    order = [1, 0, 2, 3, 4, 5, 6]       # the columns in STAMPS' order
+    ts = (t[:, order] - t[:, 1].min()) / 1e3
 
     def q(x):
         return f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"
-    return (f"{S * B} programs on {t[:, 3].unique().numel()} SMs: start {q(start)}, end {q(end)}, "
-            f"duration {q(dur)}, prologue {mid.median():.1f} us")
+    steps = ", ".join(f"{STAMPS[i - 1]}->{STAMPS[i]} {(ts[:, i] - ts[:, i - 1]).median():.2f}"
+                      for i in range(1, len(STAMPS)))
+    return (f"{S * B} programs on {t[:, 7].unique().numel()} SMs: entry {q(ts[:, 0])}, waited {q(ts[:, 1])}, "
+            f"end {q(ts[:, 6])} us\n      medians: {steps} us")
 
 
 def variant_source(mode: str) -> str:
@@ -117,7 +131,7 @@ def variant_source(mode: str) -> str:
     if mode == "no_loads":
         src = edit(src, "\n@gluon.jit\ndef _fp8_kernel(", ARRIVE_LOADER)
         src = edit(src, "(_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, "
-                        "block_size, 1)),", "(_arrive_loader, (ready, free, n_tiles)),")
+                        "block_size,\n                  blk0, 1)),", "(_arrive_loader, (ready, free, n_tiles)),")
     elif mode == "no_softmax":
         src = edit(src, SOFTMAX, "        p = s\n        alpha = m_i * 0.0 + 1.0\n        l_t = l_t + 1.0\n")
     elif mode == "no_combine":

@@ -456,8 +456,30 @@ def _ring_barriers(NBUF: gl.constexpr):
 
 
 @gluon.jit
+def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, R: gl.constexpr, QL: gl.constexpr):
+    """The R query rows' nine 64-column chunks ([R, 64] in QL, zero past H * s_q) as a tuple, all
+    loads in flight on return: a prologue issues them first and sets up under their latency."""
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    ptr = (Q + q_off + (rows // H) * stride_qi + (rows % H) * stride_qh)[:, None] + cl[None, :]
+    mask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    return (gl.load(ptr, mask=mask, other=0.0), gl.load(ptr + 64, mask=mask, other=0.0),
+            gl.load(ptr + 128, mask=mask, other=0.0), gl.load(ptr + 192, mask=mask, other=0.0),
+            gl.load(ptr + 256, mask=mask, other=0.0), gl.load(ptr + 320, mask=mask, other=0.0),
+            gl.load(ptr + 384, mask=mask, other=0.0), gl.load(ptr + 448, mask=mask, other=0.0),
+            gl.load(ptr + 512, mask=mask, other=0.0))
+
+
+@gluon.jit
+def _first_block(BT, bt_row, start, n_tiles, block_size):
+    """The cache block of a split's first key (0 when it has no keys), which the prologue loads
+    for ``_loader`` so that the first tile's copy does not wait on a load of its own."""
+    return gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
+
+
+@gluon.jit
 def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
-            KV_FMT: gl.constexpr, HALVES: gl.constexpr = False):
+            blk0, KV_FMT: gl.constexpr, HALVES: gl.constexpr = False):
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
     once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
     dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
@@ -465,13 +487,14 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
     wait costs the warpgroup a barrier); tile rows: 8 latent boxes, k_pe and the scales.
     HALVES (rows in q's dtype): the slot is released in two halves, free[2 slot] for columns
     0..255 and free[2 slot + 1] for 256..511, k_pe going with the half of the tile's owner (even
-    tiles: the first); each half is refilled as soon as it is released."""
+    tiles: the first); each half is refilled as soon as it is released. blk0: tile 0's block
+    (``_first_block``)."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
     for j in range(n_tiles):
         buf = j % NBUF
         n0 = start + j * BN
-        blk = gl.load(BT + bt_row + n0 // block_size)
+        blk = gl.load(BT + bt_row + n0 // block_size, mask=j > 0, other=blk0)
         row0 = blk * block_size + n0 % block_size
         if HALVES:
             fph = ((j // NBUF) & 1) ^ 1
@@ -662,6 +685,7 @@ def _seesaw_kernel(
 
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, BN)
     bt_row = b.to(gl.int64) * stride_bt
+    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
@@ -678,7 +702,7 @@ def _seesaw_kernel(
         (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
         (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
         (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                   block_size, KV_FMT, KV_FMT == 0)),
+                   block_size, blk0, KV_FMT, KV_FMT == 0)),
     ], [4, 1], [240, 24])
 
 

@@ -54,10 +54,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
-                           _ring_barriers, _send_state, _split_tiles, _zero_tail, default_splits,
-                           launch_dependents, pdl_launch, split_results, supports, thread_major,
-                           wait_prerequisites)
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
+                           _query_chunks, _ring_barriers, _send_state, _split_tiles, _zero_tail,
+                           default_splits, launch_dependents, pdl_launch, split_results, supports,
+                           thread_major, wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
 __all__ = ["launch_fp8", "takes"]
@@ -134,7 +134,12 @@ def _q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, L2: gl.constexpr):
     for c in gl.static_range(9):
         x = gl.load(ptr[None, :] + (c * 64 + cl)[:, None], mask=mask, other=0.0).to(gl.float32)
         amax = gl.maximum(amax, gl.abs(x))
-    amax = gl.max(amax, axis=0)
+    return _row_exponents(gl.max(amax, axis=0))
+
+
+@gluon.jit
+def _row_exponents(amax):
+    """The biased exponent e of the least power of two 2^(e - 127) >= amax / 448 (127 for 0)."""
     ex = ((amax * (1.0 / 448.0)).to(gl.int32, bitcast=True) + 0x7FFFFF) >> 23    # rounded up to a power of two
     ex = gl.where(amax > 0.0, ex, 127)
     return gl.where(amax * ((254 - ex) << 23).to(gl.float32, bitcast=True) > 448.0, ex + 1, ex)
@@ -152,17 +157,16 @@ def _e4m3_round(x):
 
 
 @gluon.jit
-def _store_q8(Q, q_off, H, S_Q, stride_qi, stride_qh, q8, QL: gl.constexpr):
-    """q8[c] = [Q_hi; Q_lo] of the query rows' columns 64 c .. 64 c + 63 (zero past H * s_q), the
-    rows over their power-of-two scales (``_q_exponents``; the division is exact)."""
-    rows = gl.arange(0, _R, layout=gl.SliceLayout(1, QL))
-    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qrow = Q + q_off + (rows // H) * stride_qi + (rows % H) * stride_qh
-    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
-    ex = _q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, _acc_layout(_R))
-    inv = ((254 - gl.convert_layout(ex, gl.SliceLayout(1, QL))) << 23).to(gl.float32, bitcast=True)
+def _store_q8(xq, q8):
+    """q8[c] = [Q_hi; Q_lo] of chunk c of the query rows xq (``_query_chunks``), the rows over their
+    power-of-two scales (the same bits as ``_q_exponents``: a max is exact in any order; the
+    division is exact)."""
+    amax = gl.abs(xq[0].to(gl.float32))
+    for c in gl.static_range(1, 9):
+        amax = gl.maximum(amax, gl.abs(xq[c].to(gl.float32)))
+    inv = ((254 - _row_exponents(gl.max(amax, axis=1))) << 23).to(gl.float32, bitcast=True)
     for c in gl.static_range(9):
-        x = gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(gl.float32) * inv[:, None]
+        x = xq[c].to(gl.float32) * inv[:, None]
         hi = _e4m3_round(x)
         q8.index(c).slice(0, _R, dim=0).store(hi.to(gl.float8e4nv))          # exact
         q8.index(c).slice(_R, _R, dim=0).store((x - hi).to(gl.float8e4nv))
@@ -284,18 +288,20 @@ def _fp8_kernel(
     wait_prerequisites()
     pid_s = gl.program_id(0)
     b = gl.program_id(1)
+    # the loads first (the length, the query, the first tile's block), then the set-up under them
+    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, _R, QL)
+    bt_row = b.to(gl.int64) * stride_bt
+    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
     pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
     ready, free = _ring_barriers(_NST)
     xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
-    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
-    bt_row = b.to(gl.int64) * stride_bt
-
     # the query rows as two e4m3 terms under a power-of-two scale per row
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    _store_q8(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, q8, QL)
+    _store_q8(xq, q8)
     fence_async_shared()
     gl.thread_barrier()
     launch_dependents()
@@ -309,7 +315,8 @@ def _fp8_kernel(
     gl.warp_specialize([
         (_fp8_wg, (args, 0, CAUSAL)),
         (_fp8_wg, (args, 1, CAUSAL)),
-        (_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, block_size, 1)),
+        (_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, block_size,
+                  blk0, 1)),
     ], [4, 1], [232, 24])
 
 

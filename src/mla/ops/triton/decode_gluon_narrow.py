@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
-                           _ring_barriers, _send_state, _split_tiles, _widen, _zero_tail, default_splits,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
+                           _query_chunks, _ring_barriers, _send_state, _split_tiles, _widen, _zero_tail, default_splits,
                            launch_dependents, pdl_launch, split_results, supports, thread_major,
                            wait_prerequisites)
 
@@ -160,8 +160,12 @@ def _narrow_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SM_L)      # one 64-key tile per warpgroup
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
+    # the loads first (the length, the query, the first tile's block), then the set-up under them
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, R, QL)
     bt_row = b.to(gl.int64) * stride_bt
+    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -185,15 +189,9 @@ def _narrow_kernel(
         n_loads = gl.maximum(end - start + 31, 0) // 32
 
     # the query rows (zero past H * s_q) -> shared memory, the B operand of S^T
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
-    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qrow = Q + b.to(gl.int64) * stride_qb + (rows // H) * stride_qi + (rows % H) * stride_qh
-    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
     for c in gl.static_range(8):
-        q_smem.slice(c * 64, 64, dim=1).store(
-            gl.load(qrow[:, None] + (c * 64 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
-    qpe_smem.store(gl.load(qrow[:, None] + (512 + cl)[None, :], mask=qmask, other=0.0).to(dtype))
+        q_smem.slice(c * 64, 64, dim=1).store(xq[c].to(dtype))
+    qpe_smem.store(xq[8].to(dtype))
     fence_async_shared()
     gl.thread_barrier()
     launch_dependents()
@@ -207,7 +205,7 @@ def _narrow_kernel(
         (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
         (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
         (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                   block_size, KV_FMT)),
+                   block_size, blk0, KV_FMT)),
     ], [4, 1], [232, 24])
 
 
