@@ -213,16 +213,30 @@ def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-def test_dispatch_picks_fp8_register_kernel():
+@pytest.mark.parametrize("batch,max_len,kernel", [(32, 3000, "fp8"), (4, 4096, "fp8"), (1, 16384, "fp8"),
+                                                  (2, 3000, "portable"), (1, 1000, "portable")])
+def test_dispatch_of_fp8_rows(batch, max_len, kernel):
+    """FP8 rows with at most 16 query rows: the e4m3 kernel at any batch above
+    ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; the op
+    gives the chosen kernel's bits."""
     import mla
-    from mla.ops.triton.decode import use_narrow
-    g = torch.Generator().manual_seed(6)
-    lens = torch.randint(1, 3000, (32,), generator=g).tolist()
+    from mla.ops.triton import decode
+    g = torch.Generator().manual_seed(6 + batch)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
+    lens[0] = max_len
     q, kv, table, seqlens = make_case(lens, 1, 16, 64, torch.bfloat16, seed=6)
     kv8 = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8", DV, 1.0).view(*kv.shape[:2], -1)
-    assert use_narrow(q, kv8) and df.takes(q, kv8)
+    cap = table.shape[1] * 64
+    assert decode.choose_kernel(q, kv8, DV, cap) == kernel
+    edge = decode.FP8_PORTABLE_KEYS // batch
+    assert decode.choose_kernel(q, kv8, DV, edge) == "portable" and decode.choose_kernel(q, kv8, DV, edge + 64) == "fp8"
+    assert decode.choose_kernel(q.expand(batch, 2, 16, DV + DR), kv8, DV, cap) == "seesaw"     # 32 rows
+    assert decode.choose_kernel(q, kv, DV, cap) == ("narrow" if batch >= 32 else "seesaw")    # bf16 rows
     out, lse = mla.ops.mla_decode(q, kv8, table, seqlens, DV, 0.1)
-    ref_out, ref_lse = df.launch_fp8(q, kv8, table, seqlens, DV, 0.1)
+    if kernel == "fp8":
+        ref_out, ref_lse = df.launch_fp8(q, kv8, table, seqlens, DV, 0.1)
+    else:
+        ref_out, ref_lse = decode.launch(q, kv8, table, seqlens, DV, 0.1, True, decode.default_config(q, cap))
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 

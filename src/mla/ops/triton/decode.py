@@ -328,26 +328,49 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     in q's dtype and lse [B, s_q, H] float32. No host synchronisation: the split count comes
     from ``block_table.shape[1] * block_size``, the longest length the table can hold.
     """
-    if use_gluon(q, kv_cache, head_dim_v):
-        if use_narrow(q, kv_cache):
-            if kv_cache.dtype == torch.float8_e4m3fn:   # use_gluon and use_narrow checked the rest
-                from .decode_gluon_fp8 import launch_fp8
-                return launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                                  kv_scale=kv_scale)
-            from .decode_gluon_narrow import launch_narrow
-            return launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                                 kv_scale=kv_scale)
+    max_len = block_table.shape[1] * kv_cache.shape[1]
+    kernel = choose_kernel(q, kv_cache, head_dim_v, max_len)
+    if kernel == "fp8":
+        from .decode_gluon_fp8 import launch_fp8
+        return launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale=kv_scale)
+    if kernel == "narrow":
+        from .decode_gluon_narrow import launch_narrow
+        return launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                             kv_scale=kv_scale)
+    if kernel == "seesaw":
         from .decode_gluon import mla_decode_gluon
         return mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale)
-    max_len = block_table.shape[1] * kv_cache.shape[1]
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                   default_config(q, max_len), kv_scale)
 
 
+# FP8 rows with at most 16 query rows: batches whose keys (B x the table's capacity) are at most
+# this many go to the portable kernel, whose fixed cost is lower
+FP8_PORTABLE_KEYS = 8192
+
+
+def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
+    """The one dispatch rule of ``mla_decode``: "seesaw" (``decode_gluon``), "narrow"
+    (``decode_gluon_narrow``), "fp8" (``decode_gluon_fp8``) or "portable" (this module's kernel),
+    from shapes and dtypes only (max_len: the block table's capacity, no host sync).
+
+    FP8 rows (per-tensor scale) with at most 16 query rows go to the e4m3 kernel at any batch,
+    except batches of at most ``FP8_PORTABLE_KEYS`` keys: on the H200 at 16 heads, batches 1-16
+    x 1k-16k, the e4m3 kernel took 0.39-0.96x the seesaw's time (B 16 x 16k 59.7 against 152.5
+    us), and the portable kernel 0.57-0.84x the e4m3 kernel's up to 8192 keys (B 2 x 4k 11.7
+    against 17.5 us), 0.95-1.06x at 16k keys (docs/PERF.md). The rest: ``use_gluon``, then
+    ``use_narrow``."""
+    if not use_gluon(q, kv_cache, head_dim_v):
+        return "portable"
+    if kv_cache.dtype == torch.float8_e4m3fn and q.shape[1] * q.shape[2] <= 16:
+        return "portable" if q.shape[0] * max_len <= FP8_PORTABLE_KEYS else "fp8"
+    return "narrow" if use_narrow(q, kv_cache) else "seesaw"
+
+
 def use_gluon(q, kv_cache, head_dim_v) -> bool:
-    """The one rule between the two decode kernels: the warp-specialized Gluon kernel (wgmma +
-    TMA) on Hopper whenever it takes the inputs (bf16/fp16 queries, dv 512, rows of 576 in q's
-    dtype or FP8, or FP8 tile rows). For plain rows, on an
+    """Between the portable kernel and the Hopper kernels (wgmma + TMA): a Hopper kernel
+    whenever it takes the inputs (bf16/fp16 queries, dv 512, rows of 576 in q's dtype or FP8, or
+    FP8 tile rows), but see ``choose_kernel`` for small FP8 batches. For plain rows, on an
     H200 (18 shapes, 16 and 128 heads) it was 1.2-2.0x faster than this kernel except at
     batch 1 with 4k tokens (14.3 vs 12.2 us at 16 heads, 20.6 vs 20.1 at 128) and at 16 heads
     batch 32 (within 1%) (docs/PERF.md)."""
@@ -362,9 +385,9 @@ def use_narrow(q, kv_cache) -> bool:
     rows (H * s_q) and a batch of 32 or more, the query-rows-on-M kernel otherwise. On the H200
     at 16 heads the keys-on-M kernel took 0.83-0.99x the other's time at batch 32 and 128 (bf16:
     4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md); 32 rows, batches 2-31: not
-    measured, left to the other kernel. Of the keys-on-M kernels, FP8 rows (per-tensor scale)
-    go to ``decode_gluon_fp8`` (e4m3 MMAs for S, no widening: 0.49-0.69x the widening kernel's
-    time at B 32/128 x 4k/16k), the rest to ``decode_gluon_narrow``."""
+    measured, left to the other kernel. FP8 rows (per-tensor scale) with at most 16 query rows
+    do not reach this rule: ``choose_kernel`` sends them to ``decode_gluon_fp8`` (e4m3 MMAs for
+    S, no widening: 0.49-0.69x the widening narrow kernel's time at B 32/128 x 4k/16k)."""
     return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
 
 
