@@ -42,7 +42,7 @@ def _arrive_loader(ready, free, n_tiles):
     for j in range(n_tiles):
         buf = j % _NST
         mbarrier.wait(free.index(buf), ((j // _NST) & 1) ^ 1)
-        mbarrier.arrive(ready.index(buf * 9), count=1)
+        mbarrier.arrive(ready.index(buf), count=1)
 
 
 @gluon.jit
@@ -95,8 +95,8 @@ TIMELINE = [
     ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 3)\n"),
     ("            v_scale)\n    gl.warp_specialize", "            v_scale, TL, b * num_splits + pid_s)\n    gl.warp_specialize"),
     ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog) = a\n"),
-    ("        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)\n",
-     "        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)\n"
+    ("        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n",
+     "        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n"
      "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 4)\n"),
     ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 5)\n    l_i = gl.sum(l_t, axis=0)\n"),
     ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),

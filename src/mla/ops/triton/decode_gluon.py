@@ -443,12 +443,14 @@ def _split_tiles(SEQLENS, b, pid_s, num_splits, BN: gl.constexpr):
 
 
 @gluon.jit
-def _ring_barriers(NBUF: gl.constexpr):
-    """The mbarriers of a ring that ``_loader`` fills: ready[9 slot + c] (one per 64-column box;
-    FP8 rows use ready[9 slot] for the whole tile) and free[slot], all with one arrival."""
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF * 9, 1], mbarrier.MBarrierLayout())
+def _ring_barriers(NBUF: gl.constexpr, PER_SLOT: gl.constexpr = 9):
+    """The mbarriers of a ring that ``_loader`` fills: ready[PER_SLOT slot + c] (one per 64-column
+    box; FP8 rows use ready[PER_SLOT slot] for the whole tile, so a kernel that reads only FP8
+    rows asks for one a slot: every init costs the prologue a thread barrier) and free[slot], all
+    with one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF * PER_SLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NBUF * 9):
+    for i in gl.static_range(NBUF * PER_SLOT):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(NBUF):
         mbarrier.init(free.index(i), count=1)
@@ -483,8 +485,9 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
     once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
     dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
-    rows: one mbarrier for the whole tile (ready[9 slot]), as the widening reads all of it (every
-    wait costs the warpgroup a barrier); tile rows: 8 latent boxes, k_pe and the scales.
+    rows: one mbarrier for the whole tile (ready[PER_SLOT slot], ``_ring_barriers``), as the
+    widening reads all of it (every wait costs the warpgroup a barrier); tile rows: 8 latent
+    boxes, k_pe and the scales.
     HALVES (rows in q's dtype): the slot is released in two halves, free[2 slot] for columns
     0..255 and free[2 slot + 1] for 256..511, k_pe going with the half of the tile's owner (even
     tiles: the first); each half is refilled as soon as it is released. blk0: tile 0's block
@@ -521,7 +524,7 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
             tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
         else:
             mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
-            bar = ready.index(buf * 9)
+            bar = ready.index(buf * (ready.shape[0] // NBUF))
             if KV_FMT == 1:
                 mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))

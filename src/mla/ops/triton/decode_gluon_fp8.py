@@ -206,7 +206,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
         j = 2 * t + WG
         n0 = start + j * 64
         st = j % _NST
-        mbarrier.wait(ready.index(st * 9), (j // _NST) & 1)     # the whole tile (see _loader)
+        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)
         tile = k8.index(st)
         tile_pe = pe8.index(st)
         if n0 + 64 > end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
@@ -288,17 +288,18 @@ def _fp8_kernel(
     wait_prerequisites()
     pid_s = gl.program_id(0)
     b = gl.program_id(1)
-    # the loads first (the length, the query, the first tile's block), then the set-up under them
+    # the loads first (the length, the query), the set-up under them, then the first tile's block
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, _R, QL)
-    bt_row = b.to(gl.int64) * stride_bt
-    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
     pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
-    ready, free = _ring_barriers(_NST)
+    ready, free = _ring_barriers(_NST, 1)
+    # here, once the length is in (placed later, the load sinks past the query split's arithmetic)
+    bt_row = b.to(gl.int64) * stride_bt
+    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     # the query rows as two e4m3 terms under a power-of-two scale per row
     _store_q8(xq, q8)
