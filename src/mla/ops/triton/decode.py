@@ -356,10 +356,10 @@ def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
 
     FP8 rows (per-tensor scale) with at most 16 query rows go to the e4m3 kernel at any batch,
     except batches of at most ``FP8_PORTABLE_KEYS`` keys: on the H200 at 16 heads, batches 1-16
-    x 1k-16k, the e4m3 kernel took 0.39-0.96x the seesaw's time (B 16 x 16k 59.7 against 152.5
-    us), and the portable kernel 0.57-0.84x the e4m3 kernel's up to 8192 keys (B 2 x 4k 11.7
-    against 17.5 us), 0.95-1.06x at 16k keys (docs/PERF.md). The rest: ``use_gluon``, then
-    ``use_narrow``."""
+    x 1k-16k, the e4m3 kernel took 0.39-0.94x the seesaw's time (B 16 x 16k 59.7 against 152.5
+    us), and the portable kernel 0.67-0.85x the e4m3 kernel's up to 8192 keys (B 2 x 4k 11.7
+    against 17.5 us), 1.01-1.06x at 16k keys (docs/PERF.md, "Small batches"). The rest:
+    ``use_gluon``, then ``use_narrow``."""
     if not use_gluon(q, kv_cache, head_dim_v):
         return "portable"
     if kv_cache.dtype == torch.float8_e4m3fn and q.shape[1] * q.shape[2] <= 16:
