@@ -5,8 +5,9 @@ CUDA tensors on a compute-capability-9.x device, bf16/fp16 queries over a cache 
 their dtype, of FP8 rows (float8_e4m3fn, per-tensor kv_scale) or of FP8 tile rows (uint8,
 ``mla.quant``); d = 576 with head_dim_v = 512, block_size a multiple of 64 and cache rows laid
 out as one 2-D matrix (unit column stride). Anything else: use
-``mla.ops.triton.decode.mla_decode`` (the portable kernel). ``decode_gluon_narrow`` is the
-other Hopper kernel (few query rows); ``decode.use_narrow`` chooses.
+``mla.ops.triton.decode.mla_decode`` (the portable kernel). ``decode_gluon_narrow`` and
+``decode_gluon_fp8`` are the other Hopper kernels (few query rows; FP8 rows with few query
+rows); ``decode.choose_kernel`` chooses.
 
 Grid (ceil(H * s_q / 64), splits, B): 64 query rows m = i * H + h (zero-padded) against the
 keys of one split of sequence b (splits planned on the host from shapes only, so a decode
