@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Triton 3.6's interpreter fails on run-time loop bounds with numpy 2.4 (triton-lang/triton#9171).
 DEPS := torch==2.13.0 "numpy<2.4" triton==3.6.0 transformers==5.17.0 pytest pytest-xdist
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean device-site
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -23,6 +23,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
+
+# pytest-xdist for the GPU machine, which has pytest but no xdist and no network: carry
+# build/device-site and put it on PYTHONPATH there (`pytest -n 8` runs the GPU tests ~2x faster)
+device-site: $(STAMP)
+	rm -rf build/device-site && mkdir -p build/device-site
+	cd "$$($(PY) -c 'import os, xdist; print(os.path.dirname(os.path.dirname(xdist.__file__)))')" && \
+		cp -r xdist execnet pytest_xdist-*.dist-info execnet-*.dist-info $(CURDIR)/build/device-site/
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
