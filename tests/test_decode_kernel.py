@@ -322,3 +322,31 @@ def test_thread_major_layout_is_a_permutation_by_thread():
                 elem = [elem[0] ^ b[0], elem[1] ^ b[1]]
         seen.add(tuple(elem))
     assert len(seen) == 512 * 16 and all(0 <= r < 512 and 0 <= c < 16 for r, c in seen)
+
+
+def test_dispatch_rule_on_hopper(monkeypatch):
+    # host-only: decode.choose_kernel as if a Hopper kernel took every input (use_gluon True):
+    # FP8 rows with <= 16 query rows on the e4m3 kernel above FP8_PORTABLE_KEYS keys in the
+    # table, the portable kernel up to it; bf16 rows: keys-on-M at <= 16 rows and batch >= 32;
+    # the seesaw for the rest (32 rows, tile rows); without a Hopper kernel always portable
+    monkeypatch.setattr(decode, "use_gluon", lambda q, kv, dv: True)
+    fp8 = torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)
+    bf16 = torch.empty(2, 64, 576, dtype=torch.bfloat16)
+    tile = torch.empty(2, 64, 656, dtype=torch.uint8)
+
+    def q(B, s_q, H):
+        return torch.empty(B, s_q, H, 576, dtype=torch.bfloat16)
+    keys = decode.FP8_PORTABLE_KEYS
+    assert decode.choose_kernel(q(1, 1, 16), fp8, 512, keys) == "portable"
+    assert decode.choose_kernel(q(1, 1, 16), fp8, 512, keys + 64) == "fp8"
+    assert decode.choose_kernel(q(4, 2, 8), fp8, 512, keys // 4) == "portable"
+    assert decode.choose_kernel(q(4, 2, 8), fp8, 512, 4096) == "fp8"
+    assert decode.choose_kernel(q(32, 1, 16), fp8, 512, 1024) == "fp8"
+    assert decode.choose_kernel(q(32, 2, 16), fp8, 512, 1024) == "seesaw"      # 32 rows
+    assert decode.choose_kernel(q(32, 1, 16), bf16, 512, 1024) == "narrow"
+    assert decode.choose_kernel(q(31, 1, 16), bf16, 512, 1024) == "seesaw"
+    assert decode.choose_kernel(q(1, 1, 16), bf16, 512, 64) == "seesaw"
+    assert decode.choose_kernel(q(32, 1, 16), tile, 512, 1024) == "narrow"
+    assert decode.choose_kernel(q(1, 1, 16), tile, 512, 1024) == "seesaw"
+    monkeypatch.setattr(decode, "use_gluon", lambda q, kv, dv: False)
+    assert decode.choose_kernel(q(32, 1, 16), fp8, 512, 1 << 20) == "portable"
