@@ -2,7 +2,7 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,seesaw,narrow}
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,fp8tile,seesaw,narrow}
 """
 from __future__ import annotations
 
@@ -61,16 +61,22 @@ _ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_
             "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
 
 
-def fp8_kernel(m=None):
-    """``decode_gluon_fp8``'s kernel (or that of a module with the same kernel, e.g. a variant)."""
+def fp8_kernel(m=None, tile: bool = False):
+    """``decode_gluon_fp8``'s kernel (or that of a module with the same kernel, e.g. a variant),
+    over FP8 rows or (tile) FP8 tile rows."""
     if m is None:
         from mla.ops.triton import decode_gluon_fp8 as m
     fp8_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
     desc = f"tensordesc<fp8e4nv[64, 64],{fp8_l!r}>"
-    sig = {"Q": "*bf16", "kv_desc": desc, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
-           "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}}
-    cx = {"CAUSAL": True, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
-          "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv), "num_warps": 4}
+    pe, sc = desc, desc
+    if tile:
+        pe = f"tensordesc<bf16[64, 64],{gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)!r}>"
+        sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
+    sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
+           "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}}
+    cx = {"CAUSAL": True, "TILE": tile, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
+          "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
+          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "num_warps": 4}
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
@@ -102,9 +108,10 @@ def narrow_kernel():
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["fp8", "seesaw", "narrow"])
+    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow"])
     a = p.parse_args()
-    k = {"fp8": fp8_kernel, "seesaw": seesaw_kernel, "narrow": narrow_kernel}[a.kernel]()
+    k = {"fp8": fp8_kernel, "fp8tile": lambda: fp8_kernel(tile=True), "seesaw": seesaw_kernel,
+         "narrow": narrow_kernel}[a.kernel]()
     usage, ops = sass_counts(k)
     print(f"shared {k.metadata.shared} B; {usage}")
     print(dict(sorted(ops.items())))

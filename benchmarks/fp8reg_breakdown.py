@@ -87,7 +87,7 @@ STAMPS = ("entry", "waited", "tiles split", "query split", "first tile", "last t
 PROG = "gl.program_id(1) * num_splits + gl.program_id(0)"
 TIMELINE = [
     ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
-    ("    Q, kv_desc, BT, SEQLENS, O, LSE,\n", "    Q, kv_desc, BT, SEQLENS, O, LSE, TL,\n"),
+    ("    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,\n", "    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, TL,\n"),
     ("    gl.static_assert(num_warps == 4)\n    wait_prerequisites()\n",
      f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n    wait_prerequisites()\n"
      f"    _stamp(TL, {PROG}, 0)\n"),
@@ -100,8 +100,8 @@ TIMELINE = [
      "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 4)\n"),
     ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 5)\n    l_i = gl.sum(l_t, axis=0)\n"),
     ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),
-    ("        q, kv_desc, block_table, cache_seqlens, o_part, l_part,\n",
-     "        q, kv_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
+    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,\n",
+     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
 ]
 
 
@@ -130,8 +130,8 @@ def variant_source(mode: str) -> str:
     src = absolute_imports((KERNELS / "decode_gluon_fp8.py").read_text())
     if mode == "no_loads":
         src = edit(src, "\n@gluon.jit\ndef _fp8_kernel(", ARRIVE_LOADER)
-        src = edit(src, "(_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, "
-                        "block_size,\n                  blk0, 1)),", "(_arrive_loader, (ready, free, n_tiles)),")
+        src = edit(src, "(_loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, "
+                        "block_size,\n                  blk0, 2 if TILE else 1)),", "(_arrive_loader, (ready, free, n_tiles)),")
     elif mode == "no_softmax":
         src = edit(src, SOFTMAX, "        p = s\n        alpha = m_i * 0.0 + 1.0\n        l_t = l_t + 1.0\n")
     elif mode == "no_combine":
@@ -145,10 +145,13 @@ def variant_source(mode: str) -> str:
         for old, new in TIMELINE:
             src = edit(src, old, new)
     elif mode == "no_pv":
-        start = src.index("        a_prev = _v_frag(v0)\n")
+        start = src.index("        if TILE:\n            a_prev = _v_frag(_v_tile_step(")
         stop_text = "        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))\n"
         stop = src.index(stop_text, start) + len(stop_text)
-        src = src[:start] + src[stop:]
+        release = ("        if TILE:   # the stage, which the value steps would have released\n"
+                   "            fence_async_shared()\n            gl.thread_barrier()\n"
+                   "            mbarrier.arrive(free.index(st), count=1)\n")
+        src = src[:start] + release + src[stop:]
     return src
 
 

@@ -51,7 +51,10 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
     stored = kv
     if kv_fmt != "plain":    # NaN rows stay NaN (tile rows: NaN scales)
         stored = quant.quantize_rows(kv.view(-1, DV + DR).float(), kv_fmt, DV, kv_scale)
-        kv = quant.dequantize_rows(stored, kv_fmt, DV, dtype, kv_scale).view(kv.shape)
+        # the e4m3 kernel scales tile rows in float32 (keys) and fp16 (values): its oracle is
+        # the float32 dequantization, not the q-dtype one the widening kernels reproduce
+        deq = torch.float32 if e4m3_mma and kv_fmt == "fp8_tile" else dtype
+        kv = quant.dequantize_rows(stored, kv_fmt, DV, deq, kv_scale).view(kv.shape)
         stored = stored.view(*kv.shape[:2], -1)
     assert dg.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)
@@ -191,12 +194,25 @@ def test_fp8_register_operands_splits_fp16_page128_non_causal():
     check([64 * 300] * 3, 1, 16, seed=3, kv_fmt="fp8", num_splits=1, kernel="fp8reg")
 
 
+@pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (3, 4), (7, 2)])
+def test_fp8_tile_rows_e4m3(H, s_q):
+    """FP8 tile rows (a float32 scale per key and 128 values, bf16 k_pe) through the e4m3
+    kernel: lengths 0, s_q, 1, partial tails (NaN rows with NaN scales past each end), splits."""
+    check([0, s_q, 1, 700, 4099, 2048, 31, 33, 65, 64, 128], s_q, H, seed=H * 13 + s_q, kv_fmt="fp8_tile",
+          kernel="fp8reg")
+    check([5, 130, 1000, 20000], s_q, H, seed=H + s_q, kv_fmt="fp8_tile", num_splits=40, kernel="fp8reg")
+    check([3, 1500, 257], s_q, H, block_size=128, dtype=torch.float16, seed=2, kv_fmt="fp8_tile", causal=False,
+          kernel="fp8reg")
+
+
 def test_fp8_register_operands_refuses():
     q = torch.randn(1, 1, 32, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(4, 64, 576, device="cuda").to(torch.float8_e4m3fn)
     table, lens = torch.zeros(1, 1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")
     assert not df.takes(q, kv) and df.takes(q[:, :, :16], kv)
     assert not df.takes(q[:, :, :16], kv.to(torch.bfloat16))
+    tile = torch.zeros(4, 64, 656, device="cuda", dtype=torch.uint8)
+    assert df.takes(q[:, :, :16], tile) and not df.takes(q, tile)
     with pytest.raises(ValueError, match="H \\* s_q <= 16"):
         df.launch_fp8(q, kv, table, lens, DV, 0.1)
 

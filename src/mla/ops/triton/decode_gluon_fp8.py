@@ -28,6 +28,15 @@ H200). Here nothing is widened in shared memory:
   swizzle: 4 shared-memory wavefronts a load instead of 8 (5% of the time at 2M keys). The
   epilogue puts the columns back in registers.
 
+Tile rows (``mla.quant``'s 656-byte rows: 512 e4m3 values, a float32 scale per 128 of them, 64
+bf16 k_pe; TILE): S^T by value group g, two e4m3 MMAs each, every key's row of it times that
+key's scale of group g as it lands (two groups in flight), plus the rope part as a bf16 MMA
+against the query's k_pe columns split into two bf16 terms; the values times their key's scale
+in fp16, which a warp can do alone because its A-fragment rows are one value group (columns
+128 w ..: the column order above). Each 16-key step's values and scales are read from the
+stage just before its MMA (held in registers through the softmax, with the scales, they
+spilled), so the stage goes back to the loader after the fourth step, not before the softmax.
+
 Grid (splits, B). Partitions: two warpgroups that take alternate 64-key tiles, each with its own
 online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
 mbarrier per tile). A warpgroup hands its stage back to the loader once S^T is done and the
@@ -157,19 +166,25 @@ def _e4m3_round(x):
 
 
 @gluon.jit
-def _store_q8(xq, q8):
+def _store_q8(xq, q8, qpe, TILE: gl.constexpr):
     """q8[c] = [Q_hi; Q_lo] of chunk c of the query rows xq (``_query_chunks``), the rows over their
     power-of-two scales (the same bits as ``_q_exponents``: a max is exact in any order; the
-    division is exact)."""
+    division is exact). TILE (tile rows, bf16 k_pe): the rope chunk goes to qpe [2 R, 64] as two
+    bf16 terms instead, [hi; lo] like q8 (exact for bf16 and fp16 queries)."""
     amax = gl.abs(xq[0].to(gl.float32))
     for c in gl.static_range(1, 9):
         amax = gl.maximum(amax, gl.abs(xq[c].to(gl.float32)))
     inv = ((254 - _row_exponents(gl.max(amax, axis=1))) << 23).to(gl.float32, bitcast=True)
-    for c in gl.static_range(9):
+    for c in gl.static_range(8 if TILE else 9):
         x = xq[c].to(gl.float32) * inv[:, None]
         hi = _e4m3_round(x)
         q8.index(c).slice(0, _R, dim=0).store(hi.to(gl.float8e4nv))          # exact
         q8.index(c).slice(_R, _R, dim=0).store((x - hi).to(gl.float8e4nv))
+    if TILE:
+        x = xq[8].to(gl.float32) * inv[:, None]
+        hi = x.to(gl.bfloat16)
+        qpe.slice(0, _R, dim=0).store(hi)
+        qpe.slice(_R, _R, dim=0).store((x - hi.to(gl.float32)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -184,10 +199,77 @@ def _s_e4m3_ss(tile, tile_pe, q8):
     return warpgroup_mma(tile_pe, q8.index(8).permute((1, 0)), s, is_async=True)
 
 
+@gluon.constexpr_function
+def _scale_rows_layout():
+    """A tile's scales [64 keys, 4] with the keys where S^T's accumulator (``_acc8_layout``)
+    holds them (lanes' bits 2-4: keys + 1, 2, 4; a register: + 8; warps: + 16, 32; lanes' bits
+    0-1 repeat) and the four scales of a key in registers."""
+    return gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]], [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                                      [[16, 0], [32, 0]], [], [64, 4])
+
+
+@gluon.constexpr_function
+def _v_groups_layout():
+    """``_v_load_layout`` with the 512 value columns as [4 groups of 128 columns, 128]: a warp
+    holds one group (the tile rows' scale granule), so each thread needs 4 keys' scales."""
+    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [2, 0, 0], [8, 0, 0]]
+    lane = [[1, 0, 0], [4, 0, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]]
+    warp = [[0, 1, 0], [0, 2, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [16, 4, 128])
+
+
 @gluon.jit
-def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
-    (q8, Q, q_off, stride_qi, stride_qh, k8, pe8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
+def _scaled_group(g, tile_sc, c: gl.constexpr):
+    """A landed group's S^T [64 keys, 32] (``_s_group``) -> its Q_hi part + Q_lo part [64, 16]
+    (within each thread) times each key's scale of value group c."""
+    SL: gl.constexpr = _scale_rows_layout()
+    sc = tile_sc.load(SL)
+    col = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, SL))[None, :] == c, sc, 0.0), axis=1)
+    s = gl.sum(g.reshape([64, 2, _R]), axis=1)
+    return s * gl.convert_layout(col, gl.SliceLayout(1, s.type.layout))[:, None]
+
+
+@gluon.jit
+def _s_group(tile, q8, g: gl.constexpr):
+    """S^T of value group g (columns 128 g .. + 127) of tile rows: two e4m3 MMAs, in flight."""
+    A_L: gl.constexpr = _acc8_layout()
+    s = warpgroup_mma(tile.slice(128 * g, 64, dim=1), q8.index(2 * g).permute((1, 0)),
+                      gl.zeros([64, 2 * _R], gl.float32, A_L), use_acc=False, is_async=True)
+    return warpgroup_mma(tile.slice(128 * g + 64, 64, dim=1), q8.index(2 * g + 1).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _v_scaled(x, sc):
+    """16 keys x 512 FP8 values of tile rows (``_v_load_layout``) times their keys' scales sc
+    ([16, 4] in ``SliceLayout(2, _v_groups_layout())``), in fp16 (the scale rounded to fp16,
+    then the product: within 2^-10 of the exact value, as close as bf16 rows are to it)."""
+    x3 = gl.convert_layout(x.to(gl.float16).reshape([16, 4, 128]), _v_groups_layout())
+    y = (x3 * sc.to(gl.float16)[:, :, None]).reshape([16, 512])
+    return gl.convert_layout(y, _v_load_layout())
+
+
+@gluon.jit
+def _zero_tail_scales(tile_sc, n0, end):
+    """A tail tile's scales of rows >= end -> 0 (unused slots may hold NaN scales)."""
+    ZL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])
+    x = tile_sc.load(ZL)
+    keep = (n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ZL)) < end)[:, None]
+    tile_sc.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _v_tile_step(tile, tile_sc, g: gl.constexpr):
+    """Keys 16 g .. 16 g + 15 of a stage of tile rows: their values times their scales, fp16."""
+    x = tile.slice(16 * g, 16, dim=0).load(_v_load_layout())
+    w = tile_sc.slice(16 * g, 16, dim=0).load(gl.SliceLayout(2, _v_groups_layout()))
+    return _v_scaled(x, w)
+
+
+@gluon.jit
+def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
+    """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T.
+    TILE: tile rows (a float32 scale per key and 128 values, bf16 k_pe)."""
+    (q8, qpe, Q, q_off, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
      l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     A_L: gl.constexpr = _acc_layout(_R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
@@ -211,22 +293,49 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
         tile_pe = pe8.index(st)
         if n0 + 64 > end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
             _zero_tail(tile, tile_pe, n0, end)
+            if TILE:
+                _zero_tail_scales(sc8.index(st), n0, end)
             fence_async_shared()
             gl.thread_barrier()
         # S^T in flight while the value bytes go into registers; then the stage goes back to the
         # loader. The proxy fence stays although the loads only read: without it the TMA refill
         # raced them on the H200 (outputs differed between identical launches)
-        s = _s_e4m3_ss(tile, tile_pe, q8)
         VL: gl.constexpr = _v_load_layout()
-        v0 = tile.slice(0, 16, dim=0).load(VL)
-        v1 = tile.slice(16, 16, dim=0).load(VL)
-        v2 = tile.slice(32, 16, dim=0).load(VL)
-        v3 = tile.slice(48, 16, dim=0).load(VL)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(st), count=1)
-        s = gl.convert_layout(gl.sum(s.reshape([64, 2, _R]), axis=1), A_L)    # Q_hi's part + Q_lo's
+        if TILE:
+            # S^T group by group (a key's scale per 128 values), two groups in flight, each summed
+            # (Q_hi's part + Q_lo's) and scaled as it lands; the rope part as a bf16 MMA; the
+            # value bytes and their scales go into registers under the first groups
+            tile_sc = sc8.index(st)
+            g0 = _s_group(tile, q8, 0)
+            g1 = _s_group(tile, q8, 1)
+            g0 = warpgroup_mma_wait(num_outstanding=2, deps=(g0,))
+            s8 = _scaled_group(g0, tile_sc, 0)
+            g2 = _s_group(tile, q8, 2)
+            g1 = warpgroup_mma_wait(num_outstanding=2, deps=(g1,))
+            s8 = s8 + _scaled_group(g1, tile_sc, 1)
+            g3 = _s_group(tile, q8, 3)
+            g2 = warpgroup_mma_wait(num_outstanding=2, deps=(g2,))
+            s8 = s8 + _scaled_group(g2, tile_sc, 2)
+            RL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 2 * _R, 16])
+            rope = warpgroup_mma(tile_pe, qpe.permute((1, 0)), gl.zeros([64, 2 * _R], gl.float32, RL),
+                                 use_acc=False, is_async=True)
+            g3 = warpgroup_mma_wait(num_outstanding=1, deps=(g3,))
+            s8 = s8 + _scaled_group(g3, tile_sc, 3)
+            rope = warpgroup_mma_wait(num_outstanding=0, deps=(rope,))
+            rope = gl.sum(rope.reshape([64, 2, _R]), axis=1)
+            s = gl.convert_layout(s8 + gl.convert_layout(rope, s8.type.layout), A_L)
+        else:
+            s = _s_e4m3_ss(tile, tile_pe, q8)
+            v0 = tile.slice(0, 16, dim=0).load(VL)
+            v1 = tile.slice(16, 16, dim=0).load(VL)
+            v2 = tile.slice(32, 16, dim=0).load(VL)
+            v3 = tile.slice(48, 16, dim=0).load(VL)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(st), count=1)
+            s = gl.convert_layout(gl.sum(s.reshape([64, 2, _R]), axis=1), A_L)    # Q_hi's part + Q_lo's
         # softmax down the columns (per query row, across the tile's keys)
         n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_L))
         visible = (n < end)[:, None] & (n[:, None] < limit[None, :])
@@ -241,11 +350,22 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * alpha[None, :]
-        # O^T += V^T P^T, 16 keys a step
-        a_prev = _v_frag(v0)
+        # O^T += V^T P^T, 16 keys a step. Tile rows: each step's values and scales come from the
+        # stage now (not held in registers through the softmax: with the scales that spilled),
+        # and the stage goes back to the loader after the last of them
+        if TILE:
+            a_prev = _v_frag(_v_tile_step(tile, sc8.index(st), 0))
+        else:
+            a_prev = _v_frag(v0)
         acc = warpgroup_mma(a_prev, p_buf.slice(0, 16, dim=0), acc, is_async=True)
         for g in gl.static_range(1, 4):
-            if g == 1:
+            if TILE:
+                a_c = _v_frag(_v_tile_step(tile, sc8.index(st), g))
+                if g == 3:
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(free.index(st), count=1)
+            elif g == 1:
                 a_c = _v_frag(v1)
             elif g == 2:
                 a_c = _v_frag(v2)
@@ -276,14 +396,17 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _fp8_kernel(
-    Q, kv_desc, BT, SEQLENS, O, LSE,
+    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
     stride_qb, stride_qi, stride_qh,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, block_size, num_splits, qk_scale, v_scale,
-    CAUSAL: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, TILE: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr, QPE_SM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
+    """TILE: tile rows (``mla.quant``: 512 e4m3 values, 4 float32 scales, 64 bf16 k_pe; pe_desc
+    and sc_desc over the last two); else FP8 rows of 576 e4m3 values (pe_desc, sc_desc unused)."""
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
     pid_s = gl.program_id(0)
@@ -295,14 +418,21 @@ def _fp8_kernel(
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
-    pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
+    if TILE:
+        pe8 = gl.allocate_shared_memory(pe_desc.dtype, [_NST, 64, 64], pe_desc.layout)
+        sc8 = gl.allocate_shared_memory(sc_desc.dtype, [_NST, 64, 4], sc_desc.layout)
+        qpe = gl.allocate_shared_memory(gl.bfloat16, [2 * _R, 64], QPE_SM)
+    else:
+        pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
+        sc8 = pe8      # not used
+        qpe = p_smem   # not used
     ready, free = _ring_barriers(_NST, 1)
     # here, once the length is in (placed later, the load sinks past the query split's arithmetic)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     # the query rows as two e4m3 terms under a power-of-two scale per row
-    _store_q8(xq, q8)
+    _store_q8(xq, q8, qpe, TILE)
     fence_async_shared()
     gl.thread_barrier()
     launch_dependents()
@@ -310,35 +440,37 @@ def _fp8_kernel(
     # split pid_s writes partial slot pid_s (the output itself when there is one split)
     o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q8, Q, b.to(gl.int64) * stride_qb, stride_qi, stride_qh, k8, pe8, p_smem, ready, free, xbar, xml,
+    args = (q8, qpe, Q, b.to(gl.int64) * stride_qb, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml,
             O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale,
             v_scale)
     gl.warp_specialize([
-        (_fp8_wg, (args, 0, CAUSAL)),
-        (_fp8_wg, (args, 1, CAUSAL)),
-        (_loader, (k8, pe8, k8, ready, free, start, n_tiles, kv_desc, kv_desc, kv_desc, BT, bt_row, block_size,
-                  blk0, 1)),
+        (_fp8_wg, (args, 0, CAUSAL, TILE)),
+        (_fp8_wg, (args, 1, CAUSAL, TILE)),
+        (_loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
+                  blk0, 2 if TILE else 1)),
     ], [4, 1], [232, 24])
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """True when ``launch_fp8`` handles these inputs: FP8 rows (float8_e4m3fn) that
-    ``decode_gluon.supports`` accepts, and at most 16 query rows (H * s_q)."""
-    return (kv_cache.dtype == torch.float8_e4m3fn and q.dim() == 4 and q.shape[1] * q.shape[2] <= _R.value
-            and supports(q, kv_cache))
+    """True when ``launch_fp8`` handles these inputs: FP8 rows (float8_e4m3fn) or FP8 tile rows
+    (uint8, ``mla.quant``) that ``decode_gluon.supports`` accepts, and at most 16 query rows
+    (H * s_q)."""
+    return (kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) and q.dim() == 4
+            and q.shape[1] * q.shape[2] <= _R.value and supports(q, kv_cache))
 
 
 def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
                num_splits: int | None = None, kv_scale: float = 1.0):
-    """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows for
-    H * s_q <= 16 (``takes``). No host synchronisation."""
+    """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows (kv_scale
+    applies) or FP8 tile rows (their own scales; kv_scale is not used) for H * s_q <= 16
+    (``takes``). No host synchronisation."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
     block_size = kv_cache.shape[1]
     if head_dim_v != _DV or d != _D or not takes(q, kv_cache):
-        raise ValueError("launch_fp8: expected float8_e4m3fn rows of 576 that decode_gluon.supports() takes, "
-                         "head_dim_v 512 and H * s_q <= 16")
+        raise ValueError("launch_fp8: expected float8_e4m3fn rows of 576 or FP8 tile rows that "
+                         "decode_gluon.supports() takes, head_dim_v 512 and H * s_q <= 16")
     out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:
@@ -347,17 +479,20 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
     o_part, l_part = split_results(out, lse, S)
-    kv_desc, _, _ = _descriptors(kv_cache, kv_fmt(kv_cache), 64, gl.float16)
+    fmt = kv_fmt(kv_cache)
+    v_scale = float(kv_scale) if fmt == 1 else 1.0
+    kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
     _fp8_kernel[(S, B)](
-        q, kv_desc, block_table, cache_seqlens, o_part, l_part,
+        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, block_size, S, softmax_scale * _LOG2E * kv_scale, float(kv_scale),
-        CAUSAL=bool(causal),
+        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        CAUSAL=bool(causal), TILE=fmt == 2,
         P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
         Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
+        QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
         num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
     if S > 1:
