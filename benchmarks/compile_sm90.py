@@ -74,7 +74,7 @@ def fp8_kernel(m=None, tile: bool = False):
         sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
     sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
            "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}}
-    cx = {"CAUSAL": True, "TILE": tile, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
+    cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
           "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "num_warps": 4}
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64

@@ -93,7 +93,8 @@ TIMELINE = [
      f"    _stamp(TL, {PROG}, 0)\n"),
     ("    bt_row = b.to(gl.int64) * stride_bt\n", "    bt_row = b.to(gl.int64) * stride_bt\n    _stamp(TL, b * num_splits + pid_s, 2)\n"),
     ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 3)\n"),
-    ("            v_scale)\n    gl.warp_specialize", "            v_scale, TL, b * num_splits + pid_s)\n    gl.warp_specialize"),
+    ("            qk_scale, v_scale)\n    gl.warp_specialize",
+     "            qk_scale, v_scale, TL, b * num_splits + pid_s)\n    gl.warp_specialize"),
     ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog) = a\n"),
     ("        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n",
      "        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n"

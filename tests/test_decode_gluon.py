@@ -178,11 +178,11 @@ def test_narrow_splits_fp16_page128_non_causal(kv_fmt):
           kernel="narrow")
 
 
-@pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (1, 1), (3, 4), (7, 2), (5, 3), (4, 4)])
+@pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (1, 1), (3, 4), (7, 2), (5, 3), (4, 4), (16, 2), (9, 3), (17, 1)])
 def test_fp8_register_operands(H, s_q):
-    """FP8 rows as the MMAs' register operands, <= 16 query rows: lengths 0, s_q, 1, partial
-    tails (NaN past each end), several pages; kv_scale 0.5 (applied twice or not at all would
-    miss the oracle by far more than the bound)."""
+    """FP8 rows as the MMAs' register operands, <= 32 query rows (two row groups above 16):
+    lengths 0, s_q, 1, partial tails (NaN past each end), several pages; kv_scale 0.5 (applied
+    twice or not at all would miss the oracle by far more than the bound)."""
     check([0, s_q, 1, 700, 4099, 2048, 31, 33, 65, 64, 128], s_q, H, seed=H * 11 + s_q, kv_fmt="fp8", kv_scale=0.5,
           kernel="fp8reg")
 
@@ -192,6 +192,10 @@ def test_fp8_register_operands_splits_fp16_page128_non_causal():
     check([3, 1500, 257], 2, 8, block_size=128, dtype=torch.float16, seed=2, kv_fmt="fp8", causal=False,
           kernel="fp8reg")
     check([64 * 300] * 3, 1, 16, seed=3, kv_fmt="fp8", num_splits=1, kernel="fp8reg")
+    # two row groups (32 rows: 16 heads x 2 queries, causal among them), with splits and without
+    check([5, 130, 1000, 20000], 2, 16, seed=10, kv_fmt="fp8", num_splits=7, kernel="fp8reg")
+    check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=11, kv_fmt="fp8", causal=False,
+          num_splits=1, kernel="fp8reg")
 
 
 @pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (3, 4), (7, 2)])
@@ -203,17 +207,18 @@ def test_fp8_tile_rows_e4m3(H, s_q):
     check([5, 130, 1000, 20000], s_q, H, seed=H + s_q, kv_fmt="fp8_tile", num_splits=40, kernel="fp8reg")
     check([3, 1500, 257], s_q, H, block_size=128, dtype=torch.float16, seed=2, kv_fmt="fp8_tile", causal=False,
           kernel="fp8reg")
+    check([5, 1000, 20000], 2, 16, seed=H * 7 + s_q, kv_fmt="fp8_tile", num_splits=5, kernel="fp8reg")  # 2 groups
 
 
 def test_fp8_register_operands_refuses():
-    q = torch.randn(1, 1, 32, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 33, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(4, 64, 576, device="cuda").to(torch.float8_e4m3fn)
     table, lens = torch.zeros(1, 1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")
-    assert not df.takes(q, kv) and df.takes(q[:, :, :16], kv)
+    assert not df.takes(q, kv) and df.takes(q[:, :, :32], kv) and df.takes(q[:, :, :16], kv)
     assert not df.takes(q[:, :, :16], kv.to(torch.bfloat16))
     tile = torch.zeros(4, 64, 656, device="cuda", dtype=torch.uint8)
-    assert df.takes(q[:, :, :16], tile) and not df.takes(q, tile)
-    with pytest.raises(ValueError, match="H \\* s_q <= 16"):
+    assert df.takes(q[:, :, :32], tile) and not df.takes(q, tile)
+    with pytest.raises(ValueError, match="H \\* s_q <= 32"):
         df.launch_fp8(q, kv, table, lens, DV, 0.1)
 
 

@@ -459,10 +459,11 @@ def _ring_barriers(NBUF: gl.constexpr, PER_SLOT: gl.constexpr = 9):
 
 
 @gluon.jit
-def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, R: gl.constexpr, QL: gl.constexpr):
-    """The R query rows' nine 64-column chunks ([R, 64] in QL, zero past H * s_q) as a tuple, all
-    loads in flight on return: a prologue issues them first and sets up under their latency."""
-    rows = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr, QL: gl.constexpr):
+    """Query rows r0 .. r0 + R - 1's nine 64-column chunks ([R, 64] in QL, zero past H * s_q) as a
+    tuple, all loads in flight on return: a prologue issues them first and sets up under their
+    latency."""
+    rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, QL))
     cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
     ptr = (Q + q_off + (rows // H) * stride_qi + (rows % H) * stride_qh)[:, None] + cl[None, :]
     mask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]

@@ -37,7 +37,8 @@ in fp16, which a warp can do alone because its A-fragment rows are one value gro
 stage just before its MMA (held in registers through the softmax, with the scales, they
 spilled), so the stage goes back to the loader after the fourth step, not before the softmax.
 
-Grid (splits, B). Partitions: two warpgroups that take alternate 64-key tiles, each with its own
+Grid (splits x row groups, B). Partitions: two warpgroups that take alternate 64-key tiles, each
+with its own
 online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
 mbarrier per tile). A warpgroup hands its stage back to the loader once S^T is done and the
 value bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
@@ -52,6 +53,7 @@ the query rows' scales are folded into the softmax scale, kv_scale into the outp
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -131,11 +133,11 @@ def _v_frag(x):
 
 
 @gluon.jit
-def _q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, L2: gl.constexpr):
+def _q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, L2: gl.constexpr):
     """Per query row (SliceLayout(0, L2)) the biased float32 exponent e of its scale 2^(e - 127):
     the least power of two >= max |q| / 448 (127 for a zero row), from [64 columns, 16 rows]
     loads in layout L2. The prologue and both warpgroups compute it alike (the same bits)."""
-    r = gl.arange(0, _R, layout=gl.SliceLayout(0, L2))
+    r = r0 + gl.arange(0, _R, layout=gl.SliceLayout(0, L2))
     cl = gl.arange(0, 64, layout=gl.SliceLayout(1, L2))
     ptr = Q + q_off + (r // H) * stride_qi + (r % H) * stride_qh
     mask = (cl < 64)[:, None] & (r < H * S_Q)[None, :]
@@ -269,17 +271,17 @@ def _v_tile_step(tile, tile_sc, g: gl.constexpr):
 def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T.
     TILE: tile rows (a float32 scale per key and 128 values, bf16 k_pe)."""
-    (q8, qpe, Q, q_off, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
+    (q8, qpe, Q, q_off, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
      l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     A_L: gl.constexpr = _acc_layout(_R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
-    r = gl.arange(0, _R, layout=COL_L)
+    r = r0 + gl.arange(0, _R, layout=COL_L)          # this program's query rows
     if CAUSAL:
         limit = seqlen - S_Q + r // H + 1               # query i sees keys < limit
     else:
         limit = gl.full([_R], 0, gl.int32, COL_L) + seqlen
     # S^T's column scale: the query row's (recomputed here, the same bits as the prologue's), the softmax's
-    sc = (_q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, A_L) << 23).to(gl.float32, bitcast=True) * qk_scale
+    sc = (_q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, A_L) << 23).to(gl.float32, bitcast=True) * qk_scale
     m_i = gl.full([_R], float("-inf"), gl.float32, COL_L)
     l_t = gl.zeros([64, _R], gl.float32, A_L)
     acc = gl.zeros([512, _R], gl.float32, A_L)
@@ -388,7 +390,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
         ROW_L: gl.constexpr = gl.SliceLayout(0, OL)
         out = out * gl.convert_layout(w0, ROW_L)[None, :] + xo.load(OL) * gl.convert_layout(w1, ROW_L)[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, OL))
-        ro = gl.arange(0, _R, layout=ROW_L)
+        ro = r0 + gl.arange(0, _R, layout=ROW_L)
         row = O + o_base + (ro // H) * stride_oi + (ro % H) * stride_oh
         gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=(ro < H * S_Q)[None, :] & (d < 512)[:, None])
         gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
@@ -402,19 +404,26 @@ def _fp8_kernel(
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, block_size, num_splits, qk_scale, v_scale,
-    CAUSAL: gl.constexpr, TILE: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr, QPE_SM: gl.constexpr,
-    num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, TILE: gl.constexpr, ROW_GROUPS: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr,
+    QPE_SM: gl.constexpr, num_warps: gl.constexpr,
 ):
     """TILE: tile rows (``mla.quant``: 512 e4m3 values, 4 float32 scales, 64 bf16 k_pe; pe_desc
     and sc_desc over the last two); else FP8 rows of 576 e4m3 values (pe_desc, sc_desc unused)."""
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
-    pid_s = gl.program_id(0)
+    # program (split pid_s, row group g) at pid_s ROW_GROUPS + g: a split's row groups run side
+    # by side, so that the second reads its keys from L2
+    if ROW_GROUPS == 1:
+        pid_s = gl.program_id(0)
+        r0 = 0
+    else:
+        pid_s = gl.program_id(0) // ROW_GROUPS
+        r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     b = gl.program_id(1)
     # the loads first (the length, the query), the set-up under them, then the first tile's block
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, _R, QL)
+    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
@@ -440,9 +449,9 @@ def _fp8_kernel(
     # split pid_s writes partial slot pid_s (the output itself when there is one split)
     o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q8, qpe, Q, b.to(gl.int64) * stride_qb, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml,
-            O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale,
-            v_scale)
+    args = (q8, qpe, Q, b.to(gl.int64) * stride_qb, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free,
+            xbar, xml, O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
+            qk_scale, v_scale)
     gl.warp_specialize([
         (_fp8_wg, (args, 0, CAUSAL, TILE)),
         (_fp8_wg, (args, 1, CAUSAL, TILE)),
@@ -451,45 +460,51 @@ def _fp8_kernel(
     ], [4, 1], [232, 24])
 
 
+# query rows a launch takes: one program per 16 rows (a row group) and split; each group reads
+# the split's keys itself (the second read mostly from L2), so only a few groups pay
+MAX_ROWS = 2 * _R.value
+
+
 def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """True when ``launch_fp8`` handles these inputs: FP8 rows (float8_e4m3fn) or FP8 tile rows
-    (uint8, ``mla.quant``) that ``decode_gluon.supports`` accepts, and at most 16 query rows
-    (H * s_q)."""
+    (uint8, ``mla.quant``) that ``decode_gluon.supports`` accepts, and at most ``MAX_ROWS`` query
+    rows (H * s_q)."""
     return (kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) and q.dim() == 4
-            and q.shape[1] * q.shape[2] <= _R.value and supports(q, kv_cache))
+            and q.shape[1] * q.shape[2] <= MAX_ROWS and supports(q, kv_cache))
 
 
 def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
                num_splits: int | None = None, kv_scale: float = 1.0):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows (kv_scale
-    applies) or FP8 tile rows (their own scales; kv_scale is not used) for H * s_q <= 16
-    (``takes``). No host synchronisation."""
+    applies) or FP8 tile rows (their own scales; kv_scale is not used) for H * s_q <= ``MAX_ROWS``
+    (``takes``), 16 query rows a program. No host synchronisation."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
     block_size = kv_cache.shape[1]
     if head_dim_v != _DV or d != _D or not takes(q, kv_cache):
         raise ValueError("launch_fp8: expected float8_e4m3fn rows of 576 or FP8 tile rows that "
-                         "decode_gluon.supports() takes, head_dim_v 512 and H * s_q <= 16")
+                         f"decode_gluon.supports() takes, head_dim_v 512 and H * s_q <= {MAX_ROWS}")
     out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:
         return out, lse
-    if num_splits is None:
-        num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
+    groups = triton.cdiv(H * s_q, _R.value)
+    if num_splits is None:      # each row group as a sequence of its own
+        num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
     S = num_splits
     o_part, l_part = split_results(out, lse, S)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
-    _fp8_kernel[(S, B)](
+    _fp8_kernel[(S * groups, B)](
         q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
         H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
-        CAUSAL=bool(causal), TILE=fmt == 2,
+        CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups,
         P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
         Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
         QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),

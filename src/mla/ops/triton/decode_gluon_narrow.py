@@ -163,7 +163,7 @@ def _narrow_kernel(
     # the loads first (the length, the query, the first tile's block), then the set-up under them
     seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, R, QL)
+    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, 0, R, QL)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
