@@ -299,14 +299,11 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
                 _zero_tail_scales(sc8.index(st), n0, end)
             fence_async_shared()
             gl.thread_barrier()
-        # S^T in flight while the value bytes go into registers; then the stage goes back to the
-        # loader. The proxy fence stays although the loads only read: without it the TMA refill
-        # raced them on the H200 (outputs differed between identical launches)
         VL: gl.constexpr = _v_load_layout()
         if TILE:
             # S^T group by group (a key's scale per 128 values), two groups in flight, each summed
-            # (Q_hi's part + Q_lo's) and scaled as it lands; the rope part as a bf16 MMA; the
-            # value bytes and their scales go into registers under the first groups
+            # (Q_hi's part + Q_lo's) and scaled as it lands; the rope part as a bf16 MMA. The
+            # values stay in the stage until their O^T steps (below), which release it
             tile_sc = sc8.index(st)
             g0 = _s_group(tile, q8, 0)
             g1 = _s_group(tile, q8, 1)
@@ -328,6 +325,9 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
             rope = gl.sum(rope.reshape([64, 2, _R]), axis=1)
             s = gl.convert_layout(s8 + gl.convert_layout(rope, s8.type.layout), A_L)
         else:
+            # S^T in flight while the value bytes go into registers; then the stage goes back to
+            # the loader. The proxy fence stays although the loads only read: without it the TMA
+            # refill raced them on the H200 (outputs differed between identical launches)
             s = _s_e4m3_ss(tile, tile_pe, q8)
             v0 = tile.slice(0, 16, dim=0).load(VL)
             v1 = tile.slice(16, 16, dim=0).load(VL)
