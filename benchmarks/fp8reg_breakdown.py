@@ -11,7 +11,7 @@ no_pv (no O^T = V^T P^T: its loads, conversions and MMAs left out); the fixed co
 no_combine (the split kernel alone), no_tiles (no key tiles: launch, query split, partial
 stores and combine), no_tiles_store (no_tiles with the partial stores masked off); timeline
 (the shipped kernel stamping %globaltimer at each program's entry, after its wait on the previous
-kernel, its tile split and its query split, when warpgroup 0 has its first tile and is done with
+kernel, where it computes bt_row (after the ring's barrier inits), after its query split, when warpgroup 0 has its first tile and is done with
 its last, and at the end: prints how entries and ends spread over the kernel and the median of
 each step).
 --split-factors also times the shipped kernel at other split counts (the default's times each
@@ -82,8 +82,10 @@ def _stamp(TL, prog, k: gl.constexpr):
 
 @gluon.jit
 def _fp8_kernel('''
-# the stamps' columns, in program order (column 7 is the SM)
-STAMPS = ("entry", "waited", "tiles split", "query split", "first tile", "last tile", "end")
+# the stamps' columns, in program order (column 7 is the SM); the third is taken where the kernel
+# computes bt_row: after its tile split until 2774521, after the ring's barrier inits since be4e32a.
+# One program a split: 16 query rows at most (two row groups would share a row of stamps)
+STAMPS = ("entry", "waited", "bt_row", "query split", "first tile", "last tile", "end")
 PROG = "gl.program_id(1) * num_splits + gl.program_id(0)"
 TIMELINE = [
     ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
