@@ -11,9 +11,9 @@ no_pv (no O^T = V^T P^T: its loads, conversions and MMAs left out); the fixed co
 no_combine (the split kernel alone), no_tiles (no key tiles: launch, query split, partial
 stores and combine), no_tiles_store (no_tiles with the partial stores masked off); timeline
 (the shipped kernel stamping %globaltimer at each program's entry, after its wait on the previous
-kernel, where it computes bt_row (after the ring's barrier inits), after its query split, when warpgroup 0 has its first tile and is done with
-its last, and at the end: prints how entries and ends spread over the kernel and the median of
-each step).
+kernel, where it computes bt_row (after the ring's barrier inits), after its query split, when
+warpgroup 0 has its first tile and is done with its last, and at the end: prints how entries
+and ends spread over the kernel and the median of each step).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
