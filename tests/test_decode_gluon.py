@@ -210,20 +210,6 @@ def test_fp8_tile_rows_e4m3(H, s_q):
     check([5, 1000, 20000], 2, 16, seed=H * 7 + s_q, kv_fmt="fp8_tile", num_splits=5, kernel="fp8reg")  # 2 groups
 
 
-def test_fp8_register_operands_float16_partials(monkeypatch):
-    """With FP16_PARTIALS: float16 split partials up to |kv_scale| 128, float32 above (a
-    partial reaches 448 |kv_scale|) and for tile rows (bounded by scales the host does not read)."""
-    monkeypatch.setattr(df, "FP16_PARTIALS", True)
-    assert df.partial_dtype(128.0) == torch.float16 and df.partial_dtype(-0.5) == torch.float16
-    assert df.partial_dtype(256.0) == torch.float32
-    check([5, 130, 1000, 20000], 1, 16, seed=8, kv_fmt="fp8", kv_scale=2.0, num_splits=40, kernel="fp8reg")
-    check([5, 130, 1000, 20000], 2, 16, seed=10, kv_fmt="fp8", num_splits=7, kernel="fp8reg")
-    check([5, 3000, 1000, 64 * 20], 1, 16, seed=9, kv_fmt="fp8", kv_scale=256.0, num_splits=6, kernel="fp8reg")
-    check([5, 1000, 20000], 1, 16, seed=12, kv_fmt="fp8_tile", num_splits=5, kernel="fp8reg")
-    monkeypatch.setattr(df, "FP16_PARTIALS", False)
-    assert df.partial_dtype(1.0) == torch.float32
-
-
 def test_fp8_register_operands_refuses():
     q = torch.randn(1, 1, 33, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(4, 64, 576, device="cuda").to(torch.float8_e4m3fn)

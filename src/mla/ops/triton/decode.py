@@ -300,9 +300,8 @@ def combine_tiles(num_splits: int, rows: int, dv: int) -> tuple[int, int, int]:
 
 
 def combine(o_part, l_part, out, lse):
-    """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32, or float16 from the FP8
-    kernel), l_part [S, B, s_q, H] (float32) into out [B, s_q, H, dv] and lse [B, s_q, H]; also
-    used by the Gluon kernels."""
+    """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32), l_part [S, B, s_q, H]
+    into out [B, s_q, H, dv] and lse [B, s_q, H]; also used by the Gluon kernels."""
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")

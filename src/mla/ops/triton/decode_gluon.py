@@ -767,14 +767,13 @@ def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> i
     return triton.cdiv(max_len, _BLOCK_N * tiles)
 
 
-def split_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int,
-                  part_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def split_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a split kernel writes its results: out and lse themselves when there is one split,
-    else partials [num_splits, *out.shape] in part_dtype and [num_splits, *lse.shape] in float32
-    for ``decode.combine``."""
+    else float32 partials [num_splits, *out.shape] and [num_splits, *lse.shape] for
+    ``decode.combine``."""
     if num_splits == 1:
         return out.unsqueeze(0), lse.unsqueeze(0)
-    return (torch.empty(num_splits, *out.shape, dtype=part_dtype, device=out.device),
+    return (torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device),
             torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=out.device))
 
 

@@ -71,7 +71,7 @@ from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader,
                            thread_major, wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
-__all__ = ["launch_fp8", "partial_dtype", "takes"]
+__all__ = ["launch_fp8", "takes"]
 
 _R = gl.constexpr(16)     # query rows per program (the MMAs' N)
 _NST = gl.constexpr(4)         # FP8 tiles in the ring (even: each stage always serves the same warpgroup)
@@ -473,21 +473,6 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and q.shape[1] * q.shape[2] <= MAX_ROWS and supports(q, kv_cache))
 
 
-# float16 split partials (``partial_dtype``): prepared, not yet timed on a GPU, so off
-FP16_PARTIALS = False
-
-
-def partial_dtype(kv_scale: float) -> torch.dtype:
-    """The dtype of the split partials of FP8 rows: float16 where it cannot overflow (with
-    ``FP16_PARTIALS``), float32 else. A partial is a convex combination of values, so |partial|
-    <= 448 |kv_scale| (the largest e4m3 value times the scale) fits float16 (65504) up to
-    |kv_scale| = 128; its rounding (2^-11 relative) is a quarter of the output's own (bf16: 2^-9)
-    and far below the FP8 cache's (docs/PERF.md, "FP8 accuracy"). Half the bytes of float32
-    partials: the stores at every program's end and the combine's reads (B 32 x 4k: 3.0 us of
-    partial stores, PERF.md "Fixed cost")."""
-    return torch.float16 if FP16_PARTIALS and abs(kv_scale) <= 128.0 else torch.float32
-
-
 def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
                num_splits: int | None = None, kv_scale: float = 1.0):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows (kv_scale
@@ -508,10 +493,9 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     if num_splits is None:      # each row group as a sequence of its own
         num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
     S = num_splits
+    o_part, l_part = split_results(out, lse, S)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
-    # tile rows' values are bounded by their own scales, which the host does not read
-    o_part, l_part = split_results(out, lse, S, partial_dtype(kv_scale) if fmt == 1 else torch.float32)
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
     _fp8_kernel[(S * groups, B)](
         q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
