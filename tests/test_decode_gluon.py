@@ -238,8 +238,8 @@ def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
                                                   (2, 3000, "portable"), (1, 1000, "portable")])
 def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     """FP8 rows with at most 16 query rows: the e4m3 kernel at any batch above
-    ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; the op
-    gives the chosen kernel's bits."""
+    ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; 32 rows the
+    e4m3 kernel; the op gives the chosen kernel's bits, for per-tensor and tile rows."""
     import mla
     from mla.ops.triton import decode
     g = torch.Generator().manual_seed(6 + batch)
@@ -251,14 +251,17 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     assert decode.choose_kernel(q, kv8, DV, cap) == kernel
     edge = decode.FP8_PORTABLE_KEYS // batch
     assert decode.choose_kernel(q, kv8, DV, edge) == "portable" and decode.choose_kernel(q, kv8, DV, edge + 64) == "fp8"
-    assert decode.choose_kernel(q.expand(batch, 2, 16, DV + DR), kv8, DV, cap) == "seesaw"     # 32 rows
+    assert decode.choose_kernel(q.expand(batch, 2, 16, DV + DR), kv8, DV, cap) == "fp8"     # 32 rows
     assert decode.choose_kernel(q, kv, DV, cap) == ("narrow" if batch >= 32 else "seesaw")    # bf16 rows
-    out, lse = mla.ops.mla_decode(q, kv8, table, seqlens, DV, 0.1)
-    if kernel == "fp8":
-        ref_out, ref_lse = df.launch_fp8(q, kv8, table, seqlens, DV, 0.1)
-    else:
-        ref_out, ref_lse = decode.launch(q, kv8, table, seqlens, DV, 0.1, True, decode.default_config(q, cap))
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    kvt = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8_tile", DV).view(*kv.shape[:2], -1)
+    for cache in (kv8, kvt):
+        assert decode.choose_kernel(q, cache, DV, cap) == kernel
+        out, lse = mla.ops.mla_decode(q, cache, table, seqlens, DV, 0.1)
+        if kernel == "fp8":
+            ref_out, ref_lse = df.launch_fp8(q, cache, table, seqlens, DV, 0.1)
+        else:
+            ref_out, ref_lse = decode.launch(q, cache, table, seqlens, DV, 0.1, True, decode.default_config(q, cap))
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.parametrize("kernel", ["seesaw", "narrow", "fp8reg"])

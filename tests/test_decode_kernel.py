@@ -326,9 +326,9 @@ def test_thread_major_layout_is_a_permutation_by_thread():
 
 def test_dispatch_rule_on_hopper(monkeypatch):
     # host-only: decode.choose_kernel as if a Hopper kernel took every input (use_gluon True):
-    # FP8 rows with <= 16 query rows on the e4m3 kernel above FP8_PORTABLE_KEYS keys in the
-    # table, the portable kernel up to it; bf16 rows: keys-on-M at <= 16 rows and batch >= 32;
-    # the seesaw for the rest (32 rows, tile rows); without a Hopper kernel always portable
+    # FP8 rows (per-tensor or tile) with <= 32 query rows on the e4m3 kernel, except <= 16 rows
+    # with at most FP8_PORTABLE_KEYS keys in the table (portable); bf16 rows: keys-on-M at <= 16
+    # rows and batch >= 32; the seesaw for the rest (more rows); without a Hopper kernel portable
     monkeypatch.setattr(decode, "use_gluon", lambda q, kv, dv: True)
     fp8 = torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)
     bf16 = torch.empty(2, 64, 576, dtype=torch.bfloat16)
@@ -342,11 +342,18 @@ def test_dispatch_rule_on_hopper(monkeypatch):
     assert decode.choose_kernel(q(4, 2, 8), fp8, 512, keys // 4) == "portable"
     assert decode.choose_kernel(q(4, 2, 8), fp8, 512, 4096) == "fp8"
     assert decode.choose_kernel(q(32, 1, 16), fp8, 512, 1024) == "fp8"
-    assert decode.choose_kernel(q(32, 2, 16), fp8, 512, 1024) == "seesaw"      # 32 rows
+    assert decode.choose_kernel(q(32, 2, 16), fp8, 512, 1024) == "fp8"         # 32 rows
+    assert decode.choose_kernel(q(1, 2, 16), fp8, 512, 64) == "fp8"
+    assert decode.choose_kernel(q(1, 1, 33), fp8, 512, 1 << 16) == "seesaw"
+    assert decode.choose_kernel(q(32, 1, 128), fp8, 512, 1 << 16) == "seesaw"
     assert decode.choose_kernel(q(32, 1, 16), bf16, 512, 1024) == "narrow"
     assert decode.choose_kernel(q(31, 1, 16), bf16, 512, 1024) == "seesaw"
     assert decode.choose_kernel(q(1, 1, 16), bf16, 512, 64) == "seesaw"
-    assert decode.choose_kernel(q(32, 1, 16), tile, 512, 1024) == "narrow"
-    assert decode.choose_kernel(q(1, 1, 16), tile, 512, 1024) == "seesaw"
+    assert decode.choose_kernel(q(32, 1, 16), tile, 512, 1024) == "fp8"
+    assert decode.choose_kernel(q(1, 1, 16), tile, 512, keys) == "portable"
+    assert decode.choose_kernel(q(1, 1, 16), tile, 512, keys + 64) == "fp8"
+    assert decode.choose_kernel(q(4, 2, 16), tile, 512, 64) == "fp8"
+    assert decode.choose_kernel(q(4, 2, 64), tile, 512, 4096) == "seesaw"
+    assert decode.choose_kernel(q(64, 1, 16), bf16, 512, 1 << 16) == "narrow"
     monkeypatch.setattr(decode, "use_gluon", lambda q, kv, dv: False)
     assert decode.choose_kernel(q(32, 1, 16), fp8, 512, 1 << 20) == "portable"

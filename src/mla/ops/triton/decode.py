@@ -354,16 +354,18 @@ def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
     (``decode_gluon_narrow``), "fp8" (``decode_gluon_fp8``) or "portable" (this module's kernel),
     from shapes and dtypes only (max_len: the block table's capacity, no host sync).
 
-    FP8 rows (per-tensor scale) with at most 16 query rows go to the e4m3 kernel at any batch,
-    except batches of at most ``FP8_PORTABLE_KEYS`` keys: on the H200 at 16 heads, batches 1-16
-    x 1k-16k, the e4m3 kernel took 0.39-0.94x the seesaw's time (B 16 x 16k 59.7 against 152.5
-    us), and the portable kernel 0.67-0.85x the e4m3 kernel's up to 8192 keys (B 2 x 4k 11.7
-    against 17.5 us), 1.01-1.06x at 16k keys (docs/PERF.md, "Small batches"). The rest:
-    ``use_gluon``, then ``use_narrow``."""
+    FP8 rows (per-tensor scale, or tile rows) with at most 32 query rows go to the e4m3 kernel
+    at any batch, except batches of at most ``FP8_PORTABLE_KEYS`` keys with at most 16 rows.
+    On the H200 at 16 heads (docs/PERF.md, "Small batches" and "Ninth session"): per-tensor rows
+    at batches 1-16 x 1k-16k took 0.39-0.94x the seesaw's time on the e4m3 kernel, and 0.67-0.85x
+    the e4m3 kernel's on the portable kernel up to 8192 keys (1.01-1.06x at 16k keys); tile rows
+    at B 32/128 x 4k/16k 0.42-0.56x the widening narrow kernel's time; 32 rows (s_q 2) at
+    B 1-128 x 4k/16k 0.51-0.95x the seesaw's. The rest: ``use_gluon``, then ``use_narrow``."""
     if not use_gluon(q, kv_cache, head_dim_v):
         return "portable"
-    if kv_cache.dtype == torch.float8_e4m3fn and q.shape[1] * q.shape[2] <= 16:
-        return "portable" if q.shape[0] * max_len <= FP8_PORTABLE_KEYS else "fp8"
+    rows = q.shape[1] * q.shape[2]
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) and rows <= 32:
+        return "portable" if rows <= 16 and q.shape[0] * max_len <= FP8_PORTABLE_KEYS else "fp8"
     return "narrow" if use_narrow(q, kv_cache) else "seesaw"
 
 
@@ -385,9 +387,9 @@ def use_narrow(q, kv_cache) -> bool:
     rows (H * s_q) and a batch of 32 or more, the query-rows-on-M kernel otherwise. On the H200
     at 16 heads the keys-on-M kernel took 0.83-0.99x the other's time at batch 32 and 128 (bf16:
     4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md); 32 rows, batches 2-31: not
-    measured, left to the other kernel. FP8 rows (per-tensor scale) with at most 16 query rows
-    do not reach this rule: ``choose_kernel`` sends them to ``decode_gluon_fp8`` (e4m3 MMAs for
-    S, no widening: 0.49-0.69x the widening narrow kernel's time at B 32/128 x 4k/16k)."""
+    measured, left to the other kernel. FP8 rows with at most 32 query rows do not reach this
+    rule: ``choose_kernel`` sends them to ``decode_gluon_fp8`` (e4m3 MMAs for S, no widening:
+    0.49-0.69x the widening narrow kernel's time at B 32/128 x 4k/16k)."""
     return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
 
 

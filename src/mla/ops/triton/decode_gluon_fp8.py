@@ -1,4 +1,5 @@
-"""Hopper decode over FP8 rows (float8_e4m3fn, per-tensor kv_scale) for at most 16 query rows:
+"""Hopper decode over FP8 rows (float8_e4m3fn with a per-tensor kv_scale, or tile rows) for at
+most 32 query rows (16 a program, in row groups):
 S^T as e4m3 tensor-core MMAs straight from the key tile, O^T as fp16 MMAs with the values
 widened in registers.
 
