@@ -222,13 +222,14 @@ def test_fp8_register_operands_refuses():
         df.launch_fp8(q, kv, table, lens, DV, 0.1)
 
 
-def test_dispatch_picks_narrow_for_16_rows_and_batch_32():
+@pytest.mark.parametrize("batch", [2, 32])
+def test_dispatch_picks_narrow_for_16_rows_from_batch_2(batch):
     import mla
     from mla.ops.triton.decode import use_narrow
     g = torch.Generator().manual_seed(4)
-    lens = torch.randint(1, 3000, (32,), generator=g).tolist()
+    lens = torch.randint(1, 3000, (batch,), generator=g).tolist()
     q, kv, table, seqlens = make_case(lens, 1, 16, 64, torch.bfloat16, seed=4)
-    assert use_narrow(q, kv) and not use_narrow(q[:31], kv) and not use_narrow(q.expand(32, 2, 16, DV + DR), kv)
+    assert use_narrow(q, kv) and not use_narrow(q[:1], kv) and not use_narrow(q.expand(batch, 2, 16, DV + DR), kv)
     out, lse = mla.ops.mla_decode(q, kv, table, seqlens, DV, 0.1)
     ref_out, ref_lse = dn.launch_narrow(q, kv, table, seqlens, DV, 0.1)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
@@ -252,7 +253,7 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     edge = decode.FP8_PORTABLE_KEYS // batch
     assert decode.choose_kernel(q, kv8, DV, edge) == "portable" and decode.choose_kernel(q, kv8, DV, edge + 64) == "fp8"
     assert decode.choose_kernel(q.expand(batch, 2, 16, DV + DR), kv8, DV, cap) == "fp8"     # 32 rows
-    assert decode.choose_kernel(q, kv, DV, cap) == ("narrow" if batch >= 32 else "seesaw")    # bf16 rows
+    assert decode.choose_kernel(q, kv, DV, cap) == ("narrow" if batch >= 2 else "seesaw")    # bf16 rows
     kvt = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8_tile", DV).view(*kv.shape[:2], -1)
     for cache in (kv8, kvt):
         assert decode.choose_kernel(q, cache, DV, cap) == kernel

@@ -328,7 +328,7 @@ def test_dispatch_rule_on_hopper(monkeypatch):
     # host-only: decode.choose_kernel as if a Hopper kernel took every input (use_gluon True):
     # FP8 rows (per-tensor or tile) with <= 32 query rows on the e4m3 kernel, except <= 16 rows
     # with at most FP8_PORTABLE_KEYS keys in the table (portable); bf16 rows: keys-on-M at <= 16
-    # rows and batch >= 32; the seesaw for the rest (more rows); without a Hopper kernel portable
+    # rows and batch >= 2; the seesaw for the rest (more rows, batch 1); without a Hopper kernel portable
     monkeypatch.setattr(decode, "use_gluon", lambda q, kv, dv: True)
     fp8 = torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)
     bf16 = torch.empty(2, 64, 576, dtype=torch.bfloat16)
@@ -347,7 +347,8 @@ def test_dispatch_rule_on_hopper(monkeypatch):
     assert decode.choose_kernel(q(1, 1, 33), fp8, 512, 1 << 16) == "seesaw"
     assert decode.choose_kernel(q(32, 1, 128), fp8, 512, 1 << 16) == "seesaw"
     assert decode.choose_kernel(q(32, 1, 16), bf16, 512, 1024) == "narrow"
-    assert decode.choose_kernel(q(31, 1, 16), bf16, 512, 1024) == "seesaw"
+    assert decode.choose_kernel(q(2, 1, 16), bf16, 512, 1024) == "narrow"
+    assert decode.choose_kernel(q(2, 2, 16), bf16, 512, 1024) == "seesaw"      # 32 rows
     assert decode.choose_kernel(q(1, 1, 16), bf16, 512, 64) == "seesaw"
     assert decode.choose_kernel(q(32, 1, 16), tile, 512, 1024) == "fp8"
     assert decode.choose_kernel(q(1, 1, 16), tile, 512, keys) == "portable"

@@ -384,13 +384,14 @@ def use_gluon(q, kv_cache, head_dim_v) -> bool:
 
 def use_narrow(q, kv_cache) -> bool:
     """Between the Hopper kernels (given ``use_gluon``): a keys-on-M kernel for at most 16 query
-    rows (H * s_q) and a batch of 32 or more, the query-rows-on-M kernel otherwise. On the H200
-    at 16 heads the keys-on-M kernel took 0.83-0.99x the other's time at batch 32 and 128 (bf16:
-    4.2 TB/s at 128 x 16k) and more at batch 1 (docs/PERF.md); 32 rows, batches 2-31: not
-    measured, left to the other kernel. FP8 rows with at most 32 query rows do not reach this
-    rule: ``choose_kernel`` sends them to ``decode_gluon_fp8`` (e4m3 MMAs for S, no widening:
-    0.49-0.69x the widening narrow kernel's time at B 32/128 x 4k/16k)."""
-    return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 32
+    rows (H * s_q) and a batch of 2 or more, the query-rows-on-M kernel otherwise. On the H200
+    at 16 heads, bf16 rows, the keys-on-M kernel took 0.85-0.98x the other's time at batches
+    2-24 x 1k-16k and 0.83-0.99x at batch 32 and 128 (4.2 TB/s at 128 x 16k), more at batch 1;
+    with 32 rows (s_q 2) 1.11-1.72x at batches 1-128 (docs/PERF.md). FP8 rows with at most 32
+    query rows do not reach this rule: ``choose_kernel`` sends them to ``decode_gluon_fp8``
+    (e4m3 MMAs for S, no widening: 0.49-0.69x the widening narrow kernel's time at B 32/128 x
+    4k/16k)."""
+    return q.shape[1] * q.shape[2] <= 16 and q.shape[0] >= 2
 
 
 mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")
