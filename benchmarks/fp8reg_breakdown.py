@@ -13,7 +13,9 @@ stores and combine), no_tiles_store (no_tiles with the partial stores masked off
 (the shipped kernel stamping %globaltimer at each program's entry, after its wait on the previous
 kernel, where it computes bt_row (after the ring's barrier inits), after its query split, when
 warpgroup 0 has its first tile and is done with its last, and at the end: prints how entries
-and ends spread over the kernel and the median of each step).
+and ends spread over the kernel and the median of each step); timeline_prologue (the set-up
+alone, finer: stamps once the length and the query have landed, after the barrier inits, after
+the query split, and at the first tile).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
@@ -57,7 +59,8 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 '''
 
 
-MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline")
+MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline",
+         "timeline_prologue")
 SPLIT = "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n"
 
 STAMP = '''
@@ -106,12 +109,35 @@ TIMELINE = [
     ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,\n",
      "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
 ]
+# the set-up alone, finer: a stamp once the length is in, once the query's last chunk is in
+# (behind a branch on the values, so that it cannot be taken before they land; the reduction
+# adds a little), after the barrier inits and after the query split; then the first tile
+STAMPS_PROLOGUE = ("entry", "waited", "length in", "query in", "inits", "query split", "first tile")
+_PROG_S = "b * num_splits + pid_s"
+TIMELINE_PROLOGUE = TIMELINE[:3] + [
+    ("    seqlen, start, end, n_tiles = " + SPLIT,
+     "    seqlen, start, end, n_tiles = " + SPLIT + f"    if seqlen >= 0:\n        _stamp(TL, {_PROG_S}, 2)\n"),
+    ("    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)\n",
+     "    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)\n"
+     "    if gl.sum(gl.sum(xq[8].to(gl.float32), axis=1), axis=0) * 0.0 == 0.0:\n"
+     f"        _stamp(TL, {_PROG_S}, 3)\n"),
+    ("    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n",
+     "    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n"
+     f"    _stamp(TL, {_PROG_S}, 4)\n"),
+    ("    launch_dependents()\n", f"    launch_dependents()\n    _stamp(TL, {_PROG_S}, 5)\n"),
+    TIMELINE[5], TIMELINE[6],
+    ("        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n",
+     "        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n"
+     "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 6)\n"),
+    TIMELINE[-1],
+]
 
 
-def timeline(mod, launch, copies, S: int, B: int) -> str:
+def timeline(mod, launch, copies, S: int, B: int, names=STAMPS) -> str:
     """Lines on the programs' stamps in the last of len(copies) back-to-back launches: when the
-    programs enter, pass the wait on the previous kernel and end (min / median / max, us from the
-    first entry), and the median time between consecutive stamps (``STAMPS``)."""
+    programs enter, pass the wait on the previous kernel and reach the last stamp (min / median
+    / max, us from the first entry), and the median time between consecutive stamps (names:
+    ``STAMPS`` or ``STAMPS_PROLOGUE``)."""
     for kv in copies:
         launch(kv)
     torch.cuda.synchronize()
@@ -121,10 +147,10 @@ def timeline(mod, launch, copies, S: int, B: int) -> str:
 
     def q(x):
         return f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"
-    steps = ", ".join(f"{STAMPS[i - 1]}->{STAMPS[i]} {(ts[:, i] - ts[:, i - 1]).median():.2f}"
-                      for i in range(1, len(STAMPS)))
+    steps = ", ".join(f"{names[i - 1]}->{names[i]} {(ts[:, i] - ts[:, i - 1]).median():.2f}"
+                      for i in range(1, len(names)))
     return (f"{S * B} programs on {t[:, 7].unique().numel()} SMs: entry {q(ts[:, 0])}, waited {q(ts[:, 1])}, "
-            f"end {q(ts[:, 6])} us\n      medians: {steps} us")
+            f"{names[6]} {q(ts[:, 6])} us\n      medians: {steps} us")
 
 
 def variant_source(mode: str) -> str:
@@ -144,8 +170,8 @@ def variant_source(mode: str) -> str:
         if mode == "no_tiles_store":
             src = edit(src, "mask=(ro < H * S_Q)[None, :]", "mask=(ro < 0)[None, :]")
             src = edit(src, "lse, mask=r < H * S_Q)", "lse, mask=r < 0)")
-    elif mode == "timeline":
-        for old, new in TIMELINE:
+    elif mode in ("timeline", "timeline_prologue"):
+        for old, new in (TIMELINE if mode == "timeline" else TIMELINE_PROLOGUE):
             src = edit(src, old, new)
     elif mode == "no_pv":
         start = src.index("        if TILE:\n            a_prev = _v_frag(_v_tile_step(")
@@ -212,9 +238,10 @@ def main(argv=None) -> int:
         times.update(t_bf16)
         print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + f"   S {s0}: "
               + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
-        if "timeline" in mods:
-            line = timeline(mods["timeline"], launchers["timeline"], bench.rotated_copies(c["kv"]), s0, B)
-            print(f"      timeline: {line}", flush=True)
+        for m, names in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE)):
+            if m in mods:
+                line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, names)
+                print(f"      {m}: {line}", flush=True)
         if args.profile:
             for m, fn in launchers.items():
                 ks = kernel_times(lambda fn=fn, c=c: fn(c["kv"]))
