@@ -183,6 +183,8 @@ def _flashinfer_provider():
     ws = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
     def make(c):
+        if c["kv_format"] == "fp8_tile":   # its per-128 scales come with an FP8 rope part; ours is bf16
+            raise ValueError("FlashInfer has no MLA cache with bf16 rope beside scaled e4m3 latents")
         B, s_q, H, P = c["B"], c["s_q"], c["H"], c["table"].shape[1]
         dev = c["q"].device
         w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3")
@@ -191,8 +193,6 @@ def _flashinfer_provider():
                kv_indices=c["table"].reshape(-1).contiguous(), kv_len_arr=c["seqlens"], num_heads=H,
                head_dim_ckv=DL, head_dim_kpe=DR, page_size=c["page"], causal=s_q > 1, sm_scale=c["scale"],
                q_data_type=torch.bfloat16, kv_data_type=c["kv"].dtype)
-        if c["kv_format"] == "fp8_tile":   # its per-128 scales come with an FP8 rope part; ours is bf16
-            raise ValueError("FlashInfer has no MLA cache with bf16 rope beside scaled e4m3 latents")
         # FP8 rows (one e4m3 scale for all 576 values, 1.0 here): FlashInfer takes it per part
         scales = dict(ckv_scale=1.0, kpe_scale=1.0) if c["kv_format"] == "fp8" else {}
         q = c["q"].reshape(B * s_q, H, DL + DR)
