@@ -87,9 +87,11 @@ def _bf16_sig(extra: dict) -> dict:
             "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}, **extra}
 
 
-def seesaw_kernel():
-    """``decode_gluon``'s seesaw on bf16 rows, 64-key tiles, float32 partials (128 heads)."""
-    from mla.ops.triton import decode_gluon as m
+def seesaw_kernel(m=None):
+    """``decode_gluon``'s seesaw (or that of a module with the same kernel, e.g. a variant) on
+    bf16 rows, 64-key tiles, float32 partials (128 heads)."""
+    if m is None:
+        from mla.ops.triton import decode_gluon as m
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"})
     cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": False,
@@ -97,9 +99,11 @@ def seesaw_kernel():
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
-def narrow_kernel():
-    """``decode_gluon_narrow``'s kernel on bf16 rows, 16 query rows, a ring of two tiles."""
-    from mla.ops.triton import decode_gluon_narrow as m
+def narrow_kernel(m=None):
+    """``decode_gluon_narrow``'s kernel (or that of a module with the same kernel, e.g. a
+    variant) on bf16 rows, 16 query rows, a ring of two tiles."""
+    if m is None:
+        from mla.ops.triton import decode_gluon_narrow as m
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
           "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "num_warps": 4}
