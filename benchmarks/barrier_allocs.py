@@ -16,7 +16,9 @@ Variants, built by editing the kernels' source text (``variants.py``):
   narrow box_bars   bf16 rows: each of the 18 box mbarriers (2 tiles x 9 boxes) its own
                     allocation, waited on by constant index; the loader picks its tile's set
                     with a branch: 115 -> 66 bar.sync (8 fewer a tile and warpgroup)
-  seesaw box_bars   the same for the seesaw's ring of two 64-key tiles (bf16 rows, block_n 64):
+  narrow q_split    the query's 8 latent chunks as 8 allocations (was one [R, 512]): 8 stores
+                    without barriers between them (prologue only)
+  seesaw box_bars   the same as narrow box_bars for the seesaw's ring of two 64-key tiles (bf16 rows, block_n 64):
                     121 -> 72 bar.sync
 Registers and MMA counts are unchanged, and the stack but for the FP8 variant's (24 -> 32
 bytes) (``--sass``). Compiled only: none of the three has run on a GPU.
@@ -180,8 +182,20 @@ def seesaw_box_bars(src: str) -> str:
                 "                                kv_desc)),\n")
 
 
+def narrow_q_split(src: str) -> str:
+    """The query's 8 latent chunks as 8 allocations of [R, 64] (was one [R, 512])."""
+    src = edit(src, "    R: gl.constexpr = q_smem.shape[0]\n", "    R: gl.constexpr = q_smem[0].shape[0]\n")
+    src = edit(src, "    dtype: gl.constexpr = q_smem.dtype\n", "    dtype: gl.constexpr = q_smem[0].dtype\n")
+    src = edit(src, "q_smem.slice(c * 64, 64, dim=1).permute((1, 0))", "q_smem[c].permute((1, 0))")
+    src = edit(src, "        q_smem.slice(c * 64, 64, dim=1).store(xq[c].to(dtype))\n", "        q_smem[c].store(xq[c].to(dtype))\n")
+    alloc = "gl.allocate_shared_memory(dtype, [R, 64], SM_L)"
+    return edit(src, "    q_smem = gl.allocate_shared_memory(dtype, [R, 512], SM_L)\n",
+                "    q_smem = (" + ", ".join([alloc] * 8) + ")\n")
+
+
 VARIANTS = {"fp8 q8_split": ("decode_gluon_fp8.py", fp8_q8_split),
             "narrow box_bars": ("decode_gluon_narrow.py", narrow_box_bars),
+            "narrow q_split": ("decode_gluon_narrow.py", narrow_q_split),
             "seesaw box_bars": ("decode_gluon.py", seesaw_box_bars)}
 
 
@@ -209,6 +223,7 @@ def sass_report() -> None:
 RUNS = (("fp8 q8_split", "fp8", "launch_fp8", ["16,32,1024", "16,32,4096", "16,32,16384", "16,128,4096", "16,8,4096"]),
         ("narrow box_bars", "bf16", "launch_narrow", ["16,32,1024", "16,32,4096", "16,128,4096", "16,128,16384",
                                                        "16,8,4096"]),
+        ("narrow q_split", "bf16", "launch_narrow", ["16,32,1024", "16,32,4096", "16,128,1024", "16,8,4096"]),
         ("seesaw box_bars", "bf16", "launch_gluon", ["128,32,1024", "128,32,4096", "128,128,1024", "128,128,4096"]))
 
 
