@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=None, help="H,B,L (s_q 1), for every variant (default: each its own)")
     p.add_argument("--sass", action="store_true", help="only count the barriers of each build (offline)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
+                   help=f"which to time (default all: {', '.join(repr(v) for v in VARIANTS)})")
     args = p.parse_args(argv)
     if args.sass:
         sass_report()
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp()
     print(f"{'variant':>16} {'H':>4} {'B':>4} {'L':>6} {'shipped':>8} {'variant':>8} {'ratio':>6}   rel. errors")
     for name, kv_format, launcher, default_shapes in RUNS:
+        if name not in args.variants:
+            continue
         mod = load_module(variant_source(name), name.replace(" ", "_"), work)
         fns = {"shipped": getattr(shipped[name.split()[0]], launcher), "variant": getattr(mod, launcher)}
         kw = {"block_n": 64} if name.startswith("seesaw") else {}     # the variant's ring of two tiles
