@@ -17,11 +17,11 @@ Variants, built by editing the kernels' source text (``variants.py``):
                     allocation, waited on by constant index; the loader picks its tile's set
                     with a branch: 115 -> 66 bar.sync (8 fewer a tile and warpgroup)
   narrow q_split    the query's 8 latent chunks as 8 allocations (was one [R, 512]): 8 stores
-                    without barriers between them (prologue only)
-  seesaw box_bars   the same as narrow box_bars for the seesaw's ring of two 64-key tiles (bf16 rows, block_n 64):
-                    121 -> 72 bar.sync
+                    without barriers between them: 115 -> 108 bar.sync (prologue only)
+  seesaw box_bars   the same as narrow box_bars for the seesaw's ring of two 64-key tiles
+                    (bf16 rows, block_n 64): 121 -> 72 bar.sync
 Registers and MMA counts are unchanged, and the stack but for the FP8 variant's (24 -> 32
-bytes) (``--sass``). Compiled only: none of the three has run on a GPU.
+bytes) (``--sass``). Compiled only: none of the four has run on a GPU.
 
     PYTHONPATH=src python3 benchmarks/barrier_allocs.py [--shapes 16,32,4096 ...]   # on the GPU
     PYTHONPATH=src python3 benchmarks/barrier_allocs.py --sass                      # offline
