@@ -238,9 +238,9 @@ def main(argv=None) -> int:
         times.update(t_bf16)
         print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + f"   S {s0}: "
               + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
-        for m, names in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE)):
+        for m, stamps in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE)):
             if m in mods:
-                line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, names)
+                line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, stamps)
                 print(f"      {m}: {line}", flush=True)
         if args.profile:
             for m, fn in launchers.items():
