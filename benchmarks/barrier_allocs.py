@@ -60,19 +60,39 @@ def fp8_q8_split(src: str) -> str:
     return edit(src, _Q8_ALLOC, "    q8 = (" + ", ".join([alloc] * 9) + ")\n")
 
 
-_BOX_LOADER = '''
+# shared by both box_bars variants: a box's copy on its own mbarrier, and the box mbarriers
+_BOXES = '''
+@gluon.jit
+def _copy_box(kv_desc, row0, bar, dst, col: gl.constexpr):
+    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv_desc, [row0, col], bar, dst)
+
+
+@gluon.jit
+def _one_barrier():
+    b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(b, count=1)
+    return b
+
+
+@gluon.jit
+def _box_set():
+    return (_one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(),
+            _one_barrier(), _one_barrier(), _one_barrier())
+'''
+
+_BOX_LOADER = _BOXES + '''
+
 @gluon.jit
 def _issue_boxes(kv_desc, row0, bars, dst, dst_pe):
     for c in gl.static_range(8):
-        mbarrier.expect(bars[c], kv_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bars[c], dst.slice(c * 64, 64, dim=1))
-    mbarrier.expect(bars[8], kv_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kv_desc, [row0, 512], bars[8], dst_pe)
+        _copy_box(kv_desc, row0, bars[c], dst.slice(c * 64, 64, dim=1), c * 64)
+    _copy_box(kv_desc, row0, bars[8], dst_pe, 512)
 
 
 @gluon.jit
 def _loader_boxes(ring, ring_pe, ready, free, start, n_tiles, BT, bt_row, block_size, blk0, kv_desc):
-    """_loader for bf16 rows and a ring of two tiles, the boxes' mbarriers in ready[slot][c]."""
+    \"\"\"_loader for bf16 rows and a ring of two tiles, the boxes' mbarriers in ready[slot][c].\"\"\"
     BN: gl.constexpr = ring.shape[1]
     for j in range(n_tiles):
         buf = j % 2
@@ -87,21 +107,8 @@ def _loader_boxes(ring, ring_pe, ready, free, start, n_tiles, BT, bt_row, block_
 
 
 @gluon.jit
-def _one_barrier():
-    b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(b, count=1)
-    return b
-
-
-@gluon.jit
-def _box_set():
-    return (_one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(), _one_barrier(),
-            _one_barrier(), _one_barrier(), _one_barrier())
-
-
-@gluon.jit
 def _box_barriers():
-    """ready[slot][c]: 2 x 9 mbarriers, each its own allocation; free: one allocation of 2."""
+    \"\"\"ready[slot][c]: 2 x 9 mbarriers, each its own allocation; free: one allocation of 2.\"\"\"
     ready0 = _box_set()
     ready1 = _box_set()
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -136,11 +143,9 @@ def _issue_halves(kv_desc, row0, bars, dst, dst_pe, free, BUF: gl.constexpr, fph
     for h in gl.static_range(2):
         mbarrier.wait(free.index(2 * BUF + h), fph)
         for c in gl.static_range(4 * h, 4 * h + 4):
-            mbarrier.expect(bars[c], kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bars[c], dst.slice(c * 64, 64, dim=1))
+            _copy_box(kv_desc, row0, bars[c], dst.slice(c * 64, 64, dim=1), c * 64)
         if BUF == h:     # k_pe with the half of the tile's owner (tile j -> slot j % 2)
-            mbarrier.expect(bars[8], kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, 512], bars[8], dst_pe)
+            _copy_box(kv_desc, row0, bars[8], dst_pe, 512)
 
 
 @gluon.jit
@@ -161,9 +166,7 @@ def _loader_halves_boxes(ring, ring_pe, ready, free, start, n_tiles, BT, bt_row,
 
 def seesaw_box_bars(src: str) -> str:
     """bf16 rows, 64-key tiles (a ring of two: tile 2i in slot 0, 2i + 1 in slot 1) only."""
-    box = _BOX_LOADER.split("@gluon.jit\ndef _one_barrier")[1].split("@gluon.jit\ndef _box_barriers")[0]
-    src = edit(src, "\n@gluon.jit\ndef _qk(", _SEESAW_LOADER + "\n\n@gluon.jit\ndef _one_barrier" + box
-               + "@gluon.jit\ndef _qk(")
+    src = edit(src, "\n@gluon.jit\ndef _qk(", _BOXES + "\n" + _SEESAW_LOADER + "\n\n@gluon.jit\ndef _qk(")
     # _qk's waits: ready is now the tile's box set
     i = src.index("@gluon.jit\ndef _qk(")
     j = src.index("@gluon.jit", i + 1)
