@@ -12,7 +12,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
 def _sources():
-    import barrier_allocs
     import fixed_cost
     import fp8_breakdown
     import fp8reg_breakdown
@@ -26,8 +25,6 @@ def _sources():
         yield f"narrow {m}", fp8_breakdown.variant_source(m)
     for m in ("no_tiles", "no_tiles_store"):
         yield f"narrow {m}", fixed_cost.narrow_source(m)
-    for name in barrier_allocs.VARIANTS:
-        yield f"barrier_allocs {name}", barrier_allocs.variant_source(name)
 
 
 def test_every_variant_builds_and_imports(tmp_path):

@@ -158,31 +158,25 @@ def _row_exponents(amax):
 
 
 @gluon.jit
-def _e4m3_round(x):
-    """x (float32, |x| <= 448) rounded to the nearest e4m3 value (ties to even), in float32: 3
-    mantissa bits for normal values, multiples of 2^-9 below 2^-6. Done in float32 because
-    Triton 3.6 widened e4m3 to float32 wrongly here (elements swapped within a thread's 8;
-    the e4m3 -> fp16 conversion of the keys is right), so hi.to(float32) cannot be used."""
-    b = x.to(gl.int32, bitcast=True)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(gl.float32, bitcast=True)
-    return gl.where(gl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, normal)
-
-
-@gluon.jit
 def _store_q8(xq, q8, qpe, TILE: gl.constexpr):
     """q8[c] = [Q_hi; Q_lo] of chunk c of the query rows xq (``_query_chunks``), the rows over their
     power-of-two scales (the same bits as ``_q_exponents``: a max is exact in any order; the
     division is exact). TILE (tile rows, bf16 k_pe): the rope chunk goes to qpe [2 R, 64] as two
-    bf16 terms instead, [hi; lo] like q8 (exact for bf16 and fp16 queries)."""
+    bf16 terms instead, [hi; lo] like q8 (exact for bf16 and fp16 queries). hi is the hardware's
+    rounding (to nearest even, e4m3 subnormals below 2^-6), widened back through fp16: Triton 3.6
+    widens e4m3 to float32 wrongly in this layout (elements swapped within a thread's 8), e4m3 ->
+    fp16 is right. Bit for bit the same q8 as rounding in float32 bit arithmetic, with ~620 fewer
+    instructions in a prologue that one warp per scheduler runs (docs/PERF.md, tenth session)."""
     amax = gl.abs(xq[0].to(gl.float32))
     for c in gl.static_range(1, 9):
         amax = gl.maximum(amax, gl.abs(xq[c].to(gl.float32)))
     inv = ((254 - _row_exponents(gl.max(amax, axis=1))) << 23).to(gl.float32, bitcast=True)
     for c in gl.static_range(8 if TILE else 9):
         x = xq[c].to(gl.float32) * inv[:, None]
-        hi = _e4m3_round(x)
-        q8.index(c).slice(0, _R, dim=0).store(hi.to(gl.float8e4nv))          # exact
-        q8.index(c).slice(_R, _R, dim=0).store((x - hi).to(gl.float8e4nv))
+        hi = x.to(gl.float8e4nv)                                         # round to nearest even
+        q8.index(c).slice(0, _R, dim=0).store(hi)
+        lo = x - hi.to(gl.float16).to(gl.float32)                        # exact
+        q8.index(c).slice(_R, _R, dim=0).store(lo.to(gl.float8e4nv))
     if TILE:
         x = xq[8].to(gl.float32) * inv[:, None]
         hi = x.to(gl.bfloat16)
