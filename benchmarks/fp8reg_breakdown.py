@@ -159,8 +159,10 @@ def variant_source(mode: str) -> str:
     src = absolute_imports((KERNELS / "decode_gluon_fp8.py").read_text())
     if mode == "no_loads":
         src = edit(src, "\n@gluon.jit\ndef _fp8_kernel(", ARRIVE_LOADER)
+        src = edit(src, "PRE: gl.constexpr = 0 if TILE else 1", "PRE: gl.constexpr = 0")   # no copy in the prologue either
         src = edit(src, "(_loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, "
-                        "block_size,\n                  blk0, 2 if TILE else 1)),", "(_arrive_loader, (ready, free, n_tiles)),")
+                        "block_size,\n                  blk0, KV_FMT, False, gl.minimum(n_tiles, PRE))),",
+                   "(_arrive_loader, (ready, free, n_tiles)),")
     elif mode == "no_softmax":
         src = edit(src, SOFTMAX, "        p = s\n        alpha = m_i * 0.0 + 1.0\n        l_t = l_t + 1.0\n")
     elif mode == "no_combine":

@@ -483,7 +483,7 @@ def _first_block(BT, bt_row, start, n_tiles, block_size):
 
 @gluon.jit
 def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
-            blk0, KV_FMT: gl.constexpr, HALVES: gl.constexpr = False):
+            blk0, KV_FMT: gl.constexpr, HALVES: gl.constexpr = False, j0=0):
     """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
     once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
     dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
@@ -493,10 +493,11 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
     HALVES (rows in q's dtype): the slot is released in two halves, free[2 slot] for columns
     0..255 and free[2 slot + 1] for 256..511, k_pe going with the half of the tile's owner (even
     tiles: the first); each half is refilled as soon as it is released. blk0: tile 0's block
-    (``_first_block``)."""
+    (``_first_block``). j0: the first tile to copy (the prologue copied those before it, each into
+    its own slot)."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
-    for j in range(n_tiles):
+    for j in range(j0, n_tiles):
         buf = j % NBUF
         n0 = start + j * BN
         blk = gl.load(BT + bt_row + n0 // block_size, mask=j > 0, other=blk0)
@@ -526,18 +527,25 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
             tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
         else:
             mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
-            bar = ready.index(buf * (ready.shape[0] // NBUF))
-            if KV_FMT == 1:
-                mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
-            else:
-                mbarrier.expect(bar, 8 * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes
-                                + sc_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
-                tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
-            for c in gl.static_range(8):
-                tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
-                                                ring.index(buf).slice(c * 64, 64, dim=1))
+            _copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT)
+
+
+@gluon.jit
+def _copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT: gl.constexpr):
+    """The TMA copies of one tile of FP8 rows (KV_FMT 1) or tile rows (2), from cache row row0
+    into ring slot buf, all on the slot's one ready barrier."""
+    NBUF: gl.constexpr = ring.shape[0]
+    bar = ready.index(buf * (ready.shape[0] // NBUF))
+    if KV_FMT == 1:
+        mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+    else:
+        mbarrier.expect(bar, 8 * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes
+                        + sc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
+        tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
+    for c in gl.static_range(8):
+        tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
 
 
 @gluon.jit

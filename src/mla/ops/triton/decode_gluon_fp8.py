@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
+from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
                            _query_chunks, _ring_barriers, _send_state, _split_tiles, _zero_tail,
                            default_splits, launch_dependents, pdl_launch, split_results, supports,
                            thread_major, wait_prerequisites)
@@ -435,6 +435,15 @@ def _fp8_kernel(
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
+    # FP8 rows: the first tile goes out now, so that the memory works under the query split. Each
+    # copy into the ring's one allocation costs the prologue a thread barrier: measured, copying 2
+    # or 4 tiles here was slower, and tile rows (11 copies a tile) lose with one (PERF.md)
+    KV_FMT: gl.constexpr = 2 if TILE else 1
+    PRE: gl.constexpr = 0 if TILE else 1
+    if PRE > 0:
+        if n_tiles > 0:
+            _copy_fp8_tile(k8, pe8, sc8, ready, 0, blk0 * block_size + start % block_size, kv_desc, pe_desc, sc_desc,
+                           KV_FMT)
     # the query rows as two e4m3 terms under a power-of-two scale per row
     _store_q8(xq, q8, qpe, TILE)
     fence_async_shared()
@@ -451,7 +460,7 @@ def _fp8_kernel(
         (_fp8_wg, (args, 0, CAUSAL, TILE)),
         (_fp8_wg, (args, 1, CAUSAL, TILE)),
         (_loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
-                  blk0, 2 if TILE else 1)),
+                  blk0, KV_FMT, False, gl.minimum(n_tiles, PRE))),
     ], [4, 1], [232, 24])
 
 
