@@ -38,3 +38,23 @@ def test_every_variant_builds_and_imports(tmp_path):
         assert any(k.endswith("_kernel") for k in vars(mod)), name
         names.append(name)
     assert len(names) == len(set(names)) >= 15
+
+
+def test_bitcheck_compare_tells_one_bit_apart():
+    """bitcheck_decode's verdict: the same bits (NaN included) are identical, one ulp is not."""
+    import torch
+    from bitcheck_decode import compare
+
+    out = torch.randn(2, 1, 3, 8).to(torch.bfloat16)
+    out[0, 0, 0, 0] = float("nan")
+    lse = torch.randn(2, 1, 3)
+    key = ("bf16", 3, 2, 10, 1)
+    a = {key: (out, lse)}
+    assert compare(a, {key: (out.clone(), lse.clone())}) == 0
+    bumped = out.clone()
+    bumped.view(torch.int16)[1, 0, 2, 5] += 1
+    assert compare(a, {key: (bumped, lse.clone())}) == 1
+    nudged = lse.clone()
+    nudged.view(torch.int32)[0, 0, 1] += 1
+    assert compare(a, {key: (bumped, nudged)}) == 2
+    assert compare(a, {key: (out.float(), lse)}) == 1          # another dtype is not the same bits
