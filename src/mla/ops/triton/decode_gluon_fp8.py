@@ -41,7 +41,7 @@ spilled), so the stage goes back to the loader after the fourth step, not before
 Grid (splits x row groups, B). Partitions: two warpgroups that take alternate 64-key tiles, each
 with its own
 online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
-mbarrier per tile). A warpgroup hands its stage back to the loader once S^T is done and the
+mbarrier per tile; with FP8 rows the prologue copies the first, before the query split). A warpgroup hands its stage back to the loader once S^T is done and the
 value bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
 in shared memory first. Row sums of P stay per thread (each its own keys, the same rescales) and
 are reduced across the warpgroup once, at the end. Then warpgroup 1 hands its state to
@@ -66,8 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
-                           _query_chunks, _ring_barriers, _send_state, _split_tiles, _zero_tail,
+from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _first_block, _loader, _merge_buffers,
+                           _merge_weights, _query_chunks, _ring_barriers, _send_state, _split_tiles, _zero_tail,
                            default_splits, launch_dependents, pdl_launch, split_results, supports,
                            thread_major, wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
