@@ -39,10 +39,10 @@ stage just before its MMA (held in registers through the softmax, with the scale
 spilled), so the stage goes back to the loader after the fourth step, not before the softmax.
 
 Grid (splits x row groups, B). Partitions: two warpgroups that take alternate 64-key tiles, each
-with its own
-online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles (``_loader``, one
-mbarrier per tile; with FP8 rows the prologue copies the first, before the query split). A warpgroup hands its stage back to the loader once S^T is done and the
-value bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
+with its own online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles
+(``_loader``, one mbarrier per tile; with FP8 rows the prologue copies the first, before the
+query split). A warpgroup hands its stage back to the loader once S^T is done and the value
+bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
 in shared memory first. Row sums of P stay per thread (each its own keys, the same rescales) and
 are reduced across the warpgroup once, at the end. Then warpgroup 1 hands its state to
 warpgroup 0 through shared memory (O in its own ring stage, 128 adjacent bytes a warp store) and
