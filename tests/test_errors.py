@@ -94,6 +94,14 @@ def test_fork_onto_existing(h):
     still_correct(h)
 
 
+def test_fork_onto_unhashable(h):
+    before = snapshot(h.cache, [0, 1])
+    with raises("dst_seq_id", "hashable"):
+        h.cache.fork(0, ["x"])
+    assert snapshot(h.cache, [0, 1]) == before
+    still_correct(h)
+
+
 @pytest.mark.parametrize("new_length", [11, 100, -1, 2.0])
 def test_truncate_past_end(h, new_length):
     before = snapshot(h.cache, [0, 1])
@@ -167,6 +175,55 @@ def test_hidden_states_shape_dtype(h, bad):
         full = torch.cat(h.hist[seq][0])
         ref.append(H.hf_reference(h.attn[0], h.rotary, full)[-n:])
     assert H.rel_err(out, torch.cat(ref)) <= H.FP32_TOL
+    still_correct(h)
+
+
+def test_cache_dtype_differs_from_layer(h):
+    """A float32 layer over a bf16 cache: refused before the row is written (the decode op would
+    refuse it only after the layer wrote it)."""
+    cache = mla.PagedLatentCache(h.cfg, num_blocks=8, block_size=4, dtype=torch.bfloat16)
+    for n in (10, 1):                    # a prompt, then a decode step
+        batch = cache.prepare([("a", n)])
+        with raises("batch", "dtype", "bfloat16", "float32"):
+            h.layers[0](h.new_inputs(n), batch)
+        assert not cache.kv.any()
+    # an FP8 cache works with any layer dtype
+    cache8 = mla.PagedLatentCache(h.cfg, num_blocks=8, block_size=4, dtype=torch.float8_e4m3fn)
+    h.layers[0](h.new_inputs(3), cache8.prepare([("a", 3)]))
+    assert cache8.kv.view(torch.uint8).any()
+
+
+STALE = {
+    "prepared again": lambda c: c.prepare([(0, 1)]),
+    "truncated": lambda c: c.truncate(0, 9),
+    "forked": lambda c: c.fork(0, 5),
+    "released, its blocks reused": lambda c: (c.release(0), c.prepare([(6, 9)])),
+}
+
+
+@pytest.mark.parametrize("change", list(STALE))
+def test_stale_batch(h, change):
+    """A batch whose sequence changed after its prepare would write slots that now hold other
+    tokens (or, after a fork, blocks shared with another sequence): refused, nothing written."""
+    batch = h.cache.prepare([(0, 1), (1, 1)])
+    STALE[change](h.cache)
+    kv = h.cache.kv.clone()
+    with raises("batch", "stale", "0"):
+        h.layers[0](h.new_inputs(2), batch)
+    assert torch.equal(h.cache.kv, kv)
+
+
+def test_batch_of_unchanged_sequences_stays_valid(h):
+    """Changes to other sequences leave a batch usable: it matches transformers."""
+    batch = h.cache.prepare([(1, 2)])
+    h.cache.prepare([(0, 1)])            # another sequence moves on (its row is never written)
+    h.cache.truncate(0, 10)
+    h.fork(0, 4)
+    x = h.new_inputs(2)
+    out = h.layers[0](x, batch)
+    h.hist[1][0].append(x)
+    ref = H.hf_reference(h.attn[0], h.rotary, torch.cat(h.hist[1][0]))[-2:]
+    assert H.rel_err(out, ref) <= H.FP32_TOL
     still_correct(h)
 
 
@@ -290,6 +347,17 @@ def test_from_hf_bad_values():
         mla.MLAConfig.from_hf({**d, "qk_rope_head_dim": 7})       # RoPE rotates pairs
     with raises("kv_lora_rank"):
         mla.MLAConfig.from_hf({**d, "kv_lora_rank": 0})
+
+
+def test_from_hf_yarn_without_factor_or_max_positions():
+    d = H.config_json(H.make_config("v3"))
+    d["rope_scaling"] = {"type": "yarn", "original_max_position_embeddings": 32}
+    d.pop("rope_parameters", None)
+    d.pop("max_position_embeddings", None)
+    with raises("rope_scaling", "factor", "max_position_embeddings"):
+        mla.MLAConfig.from_hf(d)
+    d["max_position_embeddings"] = 128               # transformers' rule: factor = 128 / 32
+    assert mla.MLAConfig.from_hf(d).rope_scaling.factor == 4.0
 
 
 def test_unknown_preset():

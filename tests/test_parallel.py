@@ -103,3 +103,37 @@ def test_parallel_validation():
         mla.Parallel(tp_size=2)
     with pytest.raises(ValueError, match="parallel"):
         mla.MLA(mla.MLAConfig.preset("tiny"), parallel="tp2")
+
+
+def _full_pool_worker(rank, world, port, results):
+    """cp 2, 2 blocks of 4 a rank: 12 tokens put global blocks 0 and 2 on rank 0 and block 1 on
+    rank 1; 5 more need 3 blocks on rank 0 (2 there) and 2 on rank 1 (2 there). Both ranks must
+    refuse the step, or their lengths part and the next collective pairs different batches."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = mla.MLAConfig.preset("tiny")
+        cache = mla.PagedLatentCache(cfg, num_blocks=2, block_size=4, dtype=torch.float32,
+                                     parallel=mla.Parallel(tp_size=1, cp_size=2))
+        cache.prepare([("a", 12)])
+        free = cache.num_free_blocks
+        try:
+            cache.prepare([("a", 5)])
+            refused = ""
+        except mla.CacheFullError as e:
+            refused = str(e)
+        results[rank] = (refused, cache.length("a"), free, cache.num_free_blocks)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_helix_full_pool_refused_on_every_rank():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_full_pool_worker, args=(2, _free_port(), results), nprocs=2)
+        results = dict(results)
+    assert sorted(results) == [0, 1]
+    assert [results[r][2] for r in (0, 1)] == [0, 1]       # the pools differ: rank 1 alone had room
+    for rank, (refused, length, free_before, free_after) in results.items():
+        assert "block" in refused, (rank, refused)
+        assert length == 12 and free_after == free_before, rank

@@ -28,6 +28,8 @@ class Batch:
     cu_seqlens_k: torch.Tensor           # [B + 1] int32, offsets of all tokens (c + n)
     block_size: int
     cache: Any = field(repr=False)       # the PagedLatentCache the step writes to
+    versions: tuple[int, ...] = field(default=(), repr=False)   # each sequence's version at prepare
+    _checked: int = field(default=-1, repr=False)   # the cache's change count it was last checked at
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property

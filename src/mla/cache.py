@@ -79,6 +79,11 @@ class PagedLatentCache:
         self._refs = [0] * num_blocks
         self._blocks: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        # a Batch is stale once one of its sequences changed after its prepare (``check_batch``):
+        # every change of a sequence takes a new version from one counter, which also counts all
+        # changes (so that a batch checked once is not checked again until something changes)
+        self._changes = 0
+        self._versions: dict[Hashable, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -129,8 +134,10 @@ class PagedLatentCache:
             if n > 0 and self._cow_needed(blocks, old, copied.get(blocks[-1] if blocks else None, 0)):
                 copied[blocks[-1]] = copied.get(blocks[-1], 0) + 1
                 need += 1
-        if need > len(self._free):
-            raise CacheFullError(f"requests: need {need} free blocks, the pool has {len(self._free)} "
+        short = self._cp_max(need - len(self._free))
+        if short > 0:
+            where = "" if self.cp_size == 1 else f" (on the CP rank that lacks the most: {short} short)"
+            raise CacheFullError(f"requests: need {need} free blocks, the pool has {len(self._free)}{where} "
                                  f"(num_blocks={self.num_blocks}, block_size={self.block_size})")
         # Nothing can fail past this point.
         for seq, n in reqs:
@@ -141,18 +148,25 @@ class PagedLatentCache:
             while len(blocks) < self._local_blocks(old + n):
                 blocks.append(self._alloc())
             self._lengths[seq] = old + n
+            self._changed(seq)
         return self._build_batch(reqs)
 
     def fork(self, src_seq_id: Hashable, dst_seq_id: Hashable) -> None:
         """dst shares all of src's tokens; a partly filled last block is copied on its first write."""
         self._require(src_seq_id, "src_seq_id")
-        if dst_seq_id in self._lengths:
+        try:
+            exists = dst_seq_id in self._lengths
+        except TypeError:
+            raise ValueError(f"dst_seq_id: expected a hashable sequence id, got {type(dst_seq_id).__name__}") from None
+        if exists:
             raise ValueError(f"dst_seq_id: expected a new sequence, {dst_seq_id!r} already exists")
         blocks = list(self._blocks[src_seq_id])
         for b in blocks:
             self._refs[b] += 1
         self._blocks[dst_seq_id] = blocks
         self._lengths[dst_seq_id] = self._lengths[src_seq_id]
+        self._changed(src_seq_id)     # its blocks are shared now: an older batch would write them unshared
+        self._changed(dst_seq_id)
 
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
         """Keep the first new_length tokens (drop rejected draft tokens)."""
@@ -166,6 +180,7 @@ class PagedLatentCache:
             self._unref(b)
         del blocks[keep:]
         self._lengths[seq_id] = new_length
+        self._changed(seq_id)
 
     def release(self, seq_id: Hashable) -> None:
         """Forget a sequence and return the blocks no other sequence shares."""
@@ -173,8 +188,42 @@ class PagedLatentCache:
         for b in self._blocks.pop(seq_id):
             self._unref(b)
         del self._lengths[seq_id]
+        del self._versions[seq_id]
+        self._changes += 1
+
+    def check_batch(self, batch: Batch) -> None:
+        """ValueError unless ``batch`` is this cache's and none of its sequences changed (prepare,
+        fork, truncate, release) since it was prepared: a stale batch would write slots that now
+        belong to other tokens or sequences. Every layer calls this; it costs a comparison until
+        the cache changes."""
+        if batch.cache is not self:
+            raise ValueError("batch: expected a Batch that this cache prepared")
+        if batch._checked == self._changes:
+            return
+        for seq, v in zip(batch.seq_ids, batch.versions):
+            if self._versions.get(seq) != v:
+                what = "was released" if seq not in self._versions else "changed"
+                raise ValueError(f"batch: stale, sequence {seq!r} {what} after this batch was prepared "
+                                 "(prepare, fork, truncate or release); prepare a new batch")
+        batch._checked = self._changes
 
     # ---- internals -------------------------------------------------------------------------
+    def _changed(self, seq_id: Hashable) -> None:
+        self._changes += 1
+        self._versions[seq_id] = self._changes
+
+    def _cp_max(self, x: int) -> int:
+        """The largest x over the CP ranks (x itself without CP): under Helix CP every rank owns
+        other blocks of the same sequences, so each rank's pool may fill at another step, and all
+        must refuse a step together (one small all-reduce a prepare; none without CP)."""
+        if self.cp_size == 1 or self.parallel.cp_group is None:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.parallel.cp_group)
+        return int(t.item())
+
     def _require(self, seq_id, arg: str) -> None:
         try:
             known = seq_id in self._lengths
@@ -255,4 +304,5 @@ class PagedLatentCache:
             positions=ints(positions, torch.int64), slot_mapping=ints(slots, torch.int64),
             block_table=ints(table, torch.int32).view(len(reqs), max_blocks),
             cache_seqlens=ints(seqlens, torch.int32), cu_seqlens_q=ints(cu_q, torch.int32),
-            cu_seqlens_k=ints(cu_k, torch.int32), block_size=bs, cache=self)
+            cu_seqlens_k=ints(cu_k, torch.int32), block_size=bs, cache=self,
+            versions=tuple(self._versions[s] for s, _ in reqs), _checked=self._changes)

@@ -135,6 +135,8 @@ class MLAConfig:
             if original is None:
                 raise ValueError("rope_scaling: expected original_max_position_embeddings for YaRN")
             if factor is None:   # transformers' rule for configs without a factor
+                if c.get("max_position_embeddings") is None:
+                    raise ValueError("rope_scaling: expected a YaRN factor, or max_position_embeddings to derive it")
                 factor = c["max_position_embeddings"] / original
             scaling = RopeScaling(
                 factor=float(factor), original_max_position_embeddings=int(original),

@@ -190,8 +190,12 @@ class MLA(nn.Module):
         if not isinstance(batch, Batch):
             raise ValueError(f"batch: expected a mla.Batch from PagedLatentCache.prepare, got {type(batch).__name__}")
         cache = batch.cache
+        cache.check_batch(batch)
         if cache.cfg != self.cfg:
             raise ValueError("batch: its cache was built for another MLAConfig")
+        if cache.format == "plain" and cache.dtype != self.dtype:
+            raise ValueError(f"batch: its cache stores {cache.dtype} rows, expected the layer's dtype {self.dtype} "
+                             "(or an FP8 cache)")
         if self.layer_idx >= cache.num_layers:
             raise ValueError(f"layer_idx: {self.layer_idx} is past the cache's num_layers={cache.num_layers}")
         expected = (batch.num_tokens, self.cfg.hidden_size)
