@@ -10,6 +10,7 @@ shape of ``out`` minus its last dimension; a query with no visible key gets
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Callable
 
 import torch
@@ -74,6 +75,46 @@ def _check_int_vector(name: str, t: torch.Tensor, length: int | None, device: to
     _check(t.device == device, f"{name}: expected device {device}, got {t.device}")
 
 
+def _float(name: str, x) -> float:
+    """A scale as a Python float: any real number (int, float, numpy or 0-d tensor), not a string."""
+    try:
+        f = None if isinstance(x, (str, bytes)) else float(x)
+    except (TypeError, ValueError):
+        f = None
+    _check(f is not None and math.isfinite(f), f"{name}: expected a finite real number, got {x!r}"[:200])
+    return f
+
+
+def _check_paged_values(block_table, cache_seqlens, num_blocks: int, block_size: int) -> None:
+    """CPU tensors only: every length fits the table, and every block a length reaches is in the
+    pool (a table's tail past a sequence's last block may hold anything, e.g. -1). On CUDA,
+    reading the values back would sync the stream and break CUDA-graph capture of decode."""
+    if block_table.device.type != "cpu":
+        return
+    cap = block_table.shape[1] * block_size
+    lens = cache_seqlens.long()
+    bad = ((lens < 0) | (lens > cap)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"cache_seqlens: expected lengths in 0..{cap} (block_table.shape[1] * block_size), "
+                         f"got {lens[bad[0]].item()} at index {bad[0]}")
+    reached = torch.arange(block_table.shape[1]) < (lens[:, None] + block_size - 1) // max(block_size, 1)
+    bad = (reached & ((block_table < 0) | (block_table >= num_blocks))).nonzero().tolist()
+    if bad:
+        b, j = bad[0]
+        raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for the blocks cache_seqlens "
+                         f"reach, got block_table[{b}, {j}] = {block_table[b, j].item()}")
+
+
+def _host_offsets(name: str, cu: torch.Tensor, rows: str, total: int, hint_name: str, hint) -> list:
+    """cu's values on the host: 0 up to ``total`` packed rows, never decreasing; a host copy the
+    caller gave (``hint``) must hold the same values."""
+    h = cu.tolist()
+    _check(h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:])),
+           f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
+    _check(hint is None or list(hint) == h, f"{hint_name}: expected {name}'s values {h}, got {hint!r}"[:300])
+    return h
+
+
 def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
@@ -96,6 +137,11 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     head_dim_v:    values are the first head_dim_v (= kv_lora_rank) entries of each row
     causal:        query i sees keys < cache_seqlens - s_q + i + 1; else every key
     Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32.
+
+    On CPU tensors the lengths (0..max_blocks * block_size) and the block ids they reach (in
+    [0, num_blocks); entries past a sequence's last block may hold anything) are checked. On
+    CUDA they are the caller's responsibility: reading them back would sync the stream, and
+    decode must stay capturable in a CUDA graph.
     """
     _check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {_describe(q)}")
     _check(q.dtype in _FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
@@ -118,11 +164,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
            f"block_table: expected [{B}, max_blocks] int32, got {_describe(block_table)}")
     _check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
     _check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
+    _check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
+    softmax_scale, kv_scale = _float("softmax_scale", softmax_scale), _float("kv_scale", kv_scale)
     impl = _impl("mla_decode", backend, q.device, fmt)
     if fmt == "plain":
-        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal))
-    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, float(softmax_scale), bool(causal),
-                float(kv_scale))
+        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal))
+    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal), kv_scale)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, max_seqlen_q=None,
@@ -138,6 +185,10 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     back (a stream sync), and FlashInfer's prefill, where installed, plans from the host
     offsets.
     Returns out [Tq, H, dv] in q's dtype and lse [Tq, H] float32.
+
+    The offsets' values (0 first, never decreasing, Tq / Tk last) are checked on CPU tensors
+    and for backend="torch", which read them on the host anyway; on CUDA with the kernels they
+    are the caller's responsibility.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check(isinstance(t, torch.Tensor) and t.dim() == 3, f"{name}: expected a 3-D [tokens, heads, dim] tensor, got {_describe(t)}")
@@ -147,14 +198,24 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     _check(k.shape[1:] == q.shape[1:], f"k: expected [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
     _check(v.shape[:2] == k.shape[:2], f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
     _check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    _check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q: expected [B + 1] offsets (B >= 0), got an empty tensor")
     _check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
     B = cu_seqlens_q.shape[0] - 1
+    softmax_scale = _float("softmax_scale", softmax_scale)
     for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
         # what the host can check: B + 1 ints from 0 to the row count, never decreasing
         _check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
                              and h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))),
                f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
+    impl = _impl("prefill_attention", backend, q.device)
+    if q.device.type == "cpu" or impl is reference.prefill_attention:
+        # The offsets' values, checked on the one host copy this path makes anyway: free on CPU,
+        # and the reference reads them back on CUDA too (it takes this copy instead). The CUDA
+        # kernels' path copies none of them to the host, so there they are the caller's, as
+        # offsets_q/k are: checking them would add a stream sync.
+        offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", offsets_q)
+        offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, "Tk", k.shape[0], "offsets_k", offsets_k)
     if offsets_q is not None and max_seqlen_q is None:
         max_seqlen_q = max(b - a for a, b in zip(offsets_q, offsets_q[1:])) if B else 0
     if offsets_k is not None and max_seqlen_k is None:
@@ -164,9 +225,8 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
         _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m),
                f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
                f"got {m!r}")
-    return _impl("prefill_attention", backend, q.device)(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), bool(causal), max_seqlen_q, max_seqlen_k,
-        offsets_q, offsets_k)
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, bool(causal), max_seqlen_q, max_seqlen_k,
+                offsets_q, offsets_k)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
@@ -175,11 +235,16 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     out_* [..., d], lse_* [...] float32 (out's shape minus its last dim). Empty parts
     (lse = -inf) weigh 0; returns (out in out_a's dtype, lse float32), never NaN.
     """
-    _check(isinstance(out_a, torch.Tensor) and isinstance(out_b, torch.Tensor) and out_a.shape == out_b.shape,
-           f"out_b: expected the shape of out_a {tuple(getattr(out_a, 'shape', ()))}, got {_describe(out_b)}")
+    _check(isinstance(out_a, torch.Tensor) and out_a.dim() >= 1 and out_a.dtype in _FLOAT,
+           f"out_a: expected a float16, bfloat16 or float32 tensor [..., d], got {_describe(out_a)}")
+    _check(isinstance(out_b, torch.Tensor) and out_b.shape == out_a.shape and out_b.dtype in _FLOAT,
+           f"out_b: expected a float16, bfloat16 or float32 tensor of out_a's shape {tuple(out_a.shape)}, "
+           f"got {_describe(out_b)}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == out_a.shape[:-1],
                f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {_describe(t)}")
+    for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _check(t.device == out_a.device, f"{name}: expected device {out_a.device} (out_a's), got {t.device}")
     return _impl("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
 
 

@@ -79,16 +79,17 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, max_seqlen_q=None,
                       max_seqlen_k=None, offsets_q=None, offsets_k=None):
     """Varlen packed attention. q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv];
-    cu_seqlens_* [B + 1] int32 (max_seqlen_* and the host offsets_* are hints for the GPU
-    paths; this reads the offsets itself). Causal aligns the ends: query i of a sequence with
-    nq queries and nk keys sees keys j <= i + nk - nq.
+    cu_seqlens_* [B + 1] int32 (max_seqlen_* are hints for the GPU paths; the host offsets_*,
+    where given, are cu_seqlens_*'s values, read here instead of copying them back). Causal
+    aligns the ends: query i of a sequence with nq queries and nk keys sees keys j <= i + nk - nq.
     Returns out [Tq, H, dv] (q.dtype) and lse [Tq, H] float32.
     """
     Tq, H, _ = q.shape
     dv = v.shape[-1]
     out = torch.zeros(Tq, H, dv, dtype=torch.float32, device=q.device)
     lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq = list(offsets_q) if offsets_q is not None else cu_seqlens_q.tolist()
+    ck = list(offsets_k) if offsets_k is not None else cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         nq, nk = q1 - q0, k1 - k0
