@@ -36,7 +36,8 @@ def no_launch(monkeypatch):
         raise AssertionError("an implementation ran: the error must come before it")
     for module in (kernels, reference):
         for op in ("mla_decode", "prefill_attention", "merge_attention"):
-            monkeypatch.setattr(module, op, launched)
+            # a function of its own each: the ops tell the kernels from the reference by identity
+            monkeypatch.setattr(module, op, lambda *a, **k: launched(*a, **k))
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,3 +192,19 @@ def test_gpu_checks_add_no_sync():
     torch.cuda.synchronize()
     with raises("cu_seqlens_k", "device cuda"):   # dtype, shape and device are still checked there
         prefill_attention(qp, kp, vp, cu_q, cu_k.cpu(), 0.2)
+
+
+def test_bf16_refused_by_the_interpreter(no_launch):
+    """Triton's interpreter computes bf16 dot products wrongly: on CPU the kernels refuse bf16
+    (the reference serves it), and so does a bf16 layer built for them."""
+    import mla
+
+    q, kv, table = _decode_case()
+    with raises("backend", "'torch'", "bfloat16"):
+        mla_decode(q.bfloat16(), kv.bfloat16(), table, i32(5, 3), 16, 0.3, backend="triton")
+    qp, kp, vp = (t.bfloat16() for t in _qkv())
+    with raises("backend", "'torch'", "bfloat16"):
+        prefill_attention(qp, kp, vp, i32(0, 3, 7), i32(0, 4, 9), 0.2, backend="triton")
+    with raises("backend", "bfloat16"):
+        mla.MLA(mla.MLAConfig.preset("tiny"), dtype=torch.bfloat16, device="cpu", backend="triton")
+    mla.MLA(mla.MLAConfig.preset("tiny"), dtype=torch.float16, device="cpu", backend="triton")

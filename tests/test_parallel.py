@@ -122,18 +122,28 @@ def _full_pool_worker(rank, world, port, results):
             refused = ""
         except mla.CacheFullError as e:
             refused = str(e)
-        results[rank] = (refused, cache.length("a"), free, cache.num_free_blocks)
+        pool = (refused, cache.length("a"), free, cache.num_free_blocks)
+        # a layer without CP over this CP cache would compute over half the keys as if whole
+        layer = mla.MLA(cfg, dtype=torch.float32, backend="torch")
+        batch = cache.prepare([("a", 1)])
+        try:
+            layer(torch.zeros(1, cfg.hidden_size), batch)
+            mismatch = ""
+        except ValueError as e:
+            mismatch = str(e)
+        results[rank] = (*pool, mismatch)
     finally:
         dist.destroy_process_group()
 
 
-def test_helix_full_pool_refused_on_every_rank():
+def test_helix_full_pool_and_layer_mismatch_refused_on_every_rank():
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_full_pool_worker, args=(2, _free_port(), results), nprocs=2)
         results = dict(results)
     assert sorted(results) == [0, 1]
     assert [results[r][2] for r in (0, 1)] == [0, 1]       # the pools differ: rank 1 alone had room
-    for rank, (refused, length, free_before, free_after) in results.items():
+    for rank, (refused, length, free_before, free_after, mismatch) in results.items():
         assert "block" in refused, (rank, refused)
         assert length == 12 and free_after == free_before, rank
+        assert "CP rank" in mismatch and "same parallel" in mismatch, (rank, mismatch)

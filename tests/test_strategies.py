@@ -38,9 +38,10 @@ def _setup(variant="v3", workspace=16, seed=0, max_pos=256):
     return cfg, layer, attn, rotary
 
 
-@pytest.mark.parametrize("strategy", [None, "cached", "chunked", "absorbed"])
+@pytest.mark.parametrize("strategy", [None, "cached", "chunked", "absorbed", "prefill"])
 def test_long_prefix_every_path_matches_transformers(strategy):
-    """150 cached tokens (two sequences, one forked) over a workspace of 16, then 40 new."""
+    """150 cached tokens (two sequences, one forked) over a workspace of 16, then 40 new.
+    ("prefill" forced is the natural rule: forcing it over a cached prefix dropped the prefix.)"""
     cfg, layer, attn, rotary = _setup()
     layer.force_strategy = strategy
     g = torch.Generator().manual_seed(1)

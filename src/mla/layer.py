@@ -56,6 +56,9 @@ class MLA(nn.Module):
             raise ValueError(f"dtype: expected one of {LAYER_DTYPES}, got {dtype}")
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+        if backend == "triton" and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            raise ValueError("backend: expected 'torch' or 'auto' for a bfloat16 layer on CPU (Triton's interpreter "
+                             "computes bfloat16 dot products wrongly; float32 and float16 layers can use it)")
         if not isinstance(max_workspace_tokens, int) or max_workspace_tokens <= 0:
             raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
         if not isinstance(layer_idx, int) or layer_idx < 0:
@@ -193,6 +196,10 @@ class MLA(nn.Module):
         cache.check_batch(batch)
         if cache.cfg != self.cfg:
             raise ValueError("batch: its cache was built for another MLAConfig")
+        cp, cp_rank = (self.parallel.cp_size, self.parallel.cp_rank) if self.parallel is not None else (1, 0)
+        if (cache.cp_size, cache.cp_rank) != (cp, cp_rank):
+            raise ValueError(f"batch: its cache is CP rank {cache.cp_rank} of {cache.cp_size}, the layer CP rank "
+                             f"{cp_rank} of {cp}: give the layer and the cache the same parallel")
         if cache.format == "plain" and cache.dtype != self.dtype:
             raise ValueError(f"batch: its cache stores {cache.dtype} rows, expected the layer's dtype {self.dtype} "
                              "(or an FP8 cache)")

@@ -101,7 +101,8 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
     strategy = []
     for c, n in zip(batch.num_cached, batch.num_new):
         s = choose_strategy(cfg, c, n, max_workspace_tokens)
-        if force is not None and s is not None and (c > 0 or force == "prefill"):
+        # a forced strategy applies to sequences with a cached prefix ("prefill" there would drop it)
+        if force is not None and force != "prefill" and s is not None and c > 0:
             s = "chunked" if force == "cached" and c > max_workspace_tokens else force
         if cp_size > 1 and s in ("cached", "chunked"):
             s = "absorbed"

@@ -53,6 +53,14 @@ def _impl(op: str, backend: str | None, device: torch.device, cache_format: str 
     return fn if cache_format in getattr(fn, "cache_formats", ("plain",)) else getattr(reference, op)
 
 
+def _check_interpretable(op: str, impl: Callable, device: torch.device, *tensors: torch.Tensor) -> None:
+    """Triton's interpreter (3.6 to 3.9) computes ``tl.dot`` on bfloat16 operands wrongly: refuse the
+    kernels on CPU bf16 tensors rather than return garbage (DESIGN.md section 5)."""
+    _check(device.type != "cpu" or impl is getattr(reference, op) or all(t.dtype != torch.bfloat16 for t in tensors),
+           f"backend: expected 'torch' for bfloat16 {op} on CPU (Triton's interpreter computes bfloat16 dot "
+           "products wrongly; its kernels run float32 and float16 there)")
+
+
 def cache_format(kv_cache: torch.Tensor) -> str:
     """"plain" (rows in a float dtype), "fp8" (float8_e4m3fn, per-tensor scale) or
     "fp8_tile" (uint8 rows of FlashMLA's FP8 layout, see mla.quant)."""
@@ -167,6 +175,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     _check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
     softmax_scale, kv_scale = _float("softmax_scale", softmax_scale), _float("kv_scale", kv_scale)
     impl = _impl("mla_decode", backend, q.device, fmt)
+    _check_interpretable("mla_decode", impl, q.device, q, kv_cache)
     if fmt == "plain":
         return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal))
     return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal), kv_scale)
@@ -209,6 +218,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
                              and h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))),
                f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
     impl = _impl("prefill_attention", backend, q.device)
+    _check_interpretable("prefill_attention", impl, q.device, q, k, v)
     if q.device.type == "cpu" or impl is reference.prefill_attention:
         # The offsets' values, checked on the one host copy this path makes anyway: free on CPU,
         # and the reference reads them back on CUDA too (it takes this copy instead). The CUDA
