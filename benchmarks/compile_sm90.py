@@ -73,7 +73,8 @@ def fp8_kernel(m=None, tile: bool = False):
         pe = f"tensordesc<bf16[64, 64],{gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)!r}>"
         sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
     sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
-           "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}}
+           "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS},
+           "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
     cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
           "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "num_warps": 4}

@@ -15,7 +15,10 @@ kernel, where it computes bt_row (after the ring's barrier inits), after its que
 warpgroup 0 has its first tile and is done with its last, and at the end: prints how entries
 and ends spread over the kernel and the median of each step); timeline_prologue (the set-up
 alone, finer: stamps once the length and the query have landed, after the barrier inits, after
-the query split, and at the first tile).
+the query split, and at the first tile); timeline_arrival (the end of a program, for a merge of the
+splits in the kernel: the last tile, the partial stored, a fence and a release arrival on a
+counter per sequence, and the wait until all the sequence's splits have arrived; only where all
+programs fit on the SMs at once, e.g. B 32 x 4k or 16k at 4 splits).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
@@ -60,7 +63,7 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 
 
 MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline",
-         "timeline_prologue")
+         "timeline_prologue", "timeline_arrival")
 SPLIT = "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n"
 
 STAMP = '''
@@ -133,6 +136,36 @@ TIMELINE_PROLOGUE = TIMELINE[:3] + [
 ]
 
 
+# the end of a program, for a merge of the splits inside the kernel: warpgroup 0's last tile, its
+# partial stored, a gpu-scope fence and a release arrival on a counter per sequence (rows 60000 on
+# of the stamp buffer, zeroed before every launch), and the spin until all the sequence's splits
+# have arrived. Needs all programs on the SMs at once (B 32 x 4 splits: 128): a deadlock else
+STAMPS_ARRIVAL = ("entry", "waited", "last tile", "stored", "arrived", "all arrived", "end")
+_CNT = "TL + 480000 + b"
+TIMELINE_ARRIVAL = TIMELINE[:3] + [
+    ("            qk_scale, v_scale)\n    gl.warp_specialize",
+     "            qk_scale, v_scale, TL, b * num_splits + pid_s, num_splits, b)\n    gl.warp_specialize"),
+    ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog, num_splits, b) = a\n"),
+    ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 2)\n    l_i = gl.sum(l_t, axis=0)\n"),
+    ("        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)\n",
+     "        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)\n"
+     "        _stamp(TL, prog, 3)\n"
+     "        gl.inline_asm_elementwise(\"fence.acq_rel.gpu; // $0\", \"=r\", [], dtype=gl.int32, is_pure=False, pack=1)\n"
+     "        gl.thread_barrier()\n"
+     f"        old = gl.atomic_add({_CNT}, 1, sem=\"release\", scope=\"gpu\")\n"
+     "        _stamp(TL, prog, 4)\n"
+     "        target = (old // num_splits + 1) * num_splits\n"
+     f"        while gl.atomic_add({_CNT}, 0, sem=\"acquire\", scope=\"gpu\") < target:\n"
+     "            target = target + 0\n"
+     "        _stamp(TL, prog, 5)\n"),
+    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),
+    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,\n",
+     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, _counters_zeroed(q.device),\n"),
+    ("\n@gluon.jit\ndef _stamp(", "\ndef _counters_zeroed(device):\n    t = _times(device)\n    t[60000:].zero_()\n"
+     "    return t\n\n\n@gluon.jit\ndef _stamp("),
+]
+
+
 def timeline(mod, launch, copies, S: int, B: int, names=STAMPS) -> str:
     """Lines on the programs' stamps in the last of len(copies) back-to-back launches: when the
     programs enter, pass the wait on the previous kernel and reach the last stamp (min / median
@@ -172,8 +205,9 @@ def variant_source(mode: str) -> str:
         if mode == "no_tiles_store":
             src = edit(src, "mask=(ro < H * S_Q)[None, :]", "mask=(ro < 0)[None, :]")
             src = edit(src, "lse, mask=r < H * S_Q)", "lse, mask=r < 0)")
-    elif mode in ("timeline", "timeline_prologue"):
-        for old, new in (TIMELINE if mode == "timeline" else TIMELINE_PROLOGUE):
+    elif mode.startswith("timeline"):
+        for old, new in {"timeline": TIMELINE, "timeline_prologue": TIMELINE_PROLOGUE,
+                         "timeline_arrival": TIMELINE_ARRIVAL}[mode]:
             src = edit(src, old, new)
     elif mode == "no_pv":
         start = src.index("        if TILE:\n            a_prev = _v_frag(_v_tile_step(")
@@ -231,17 +265,21 @@ def main(argv=None) -> int:
                      **{f"S x{f:g}": (lambda kv, S=max(1, round(s0 * f)): run(mods["shipped"].launch_fp8, kv,
                                                                               num_splits=S))
                         for f in args.split_factors}}
+        if "timeline_arrival" in launchers and s0 * B > torch.cuda.get_device_properties(0).multi_processor_count:
+            del launchers["timeline_arrival"]     # its programs wait on each other: all must be on the SMs
         times, _ = time_launchers(c, launchers, checked=None)     # errors below, per variant
         ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"], True)[0].float()
-        errs = {m: bench._rel_err(launchers[m](c["kv"]), ref) for m in mods}
+        errs = {m: bench._rel_err(launchers[m](c["kv"]), ref) for m in mods if m in launchers}
         cb = dict(c, kv=bf16)
         t_bf16, _ = time_launchers(cb, {"bf16 narrow": lambda kv: run(decode_gluon_narrow.launch_narrow, kv)},
                                    checked=None)
         times.update(t_bf16)
-        print(f"{H:>4} {B:>4} {L:>6} " + " ".join(f"{times[n]:12.1f}" for n in names) + f"   S {s0}: "
+        cols = " ".join(f"{times.get(n, float('nan')):12.1f}" for n in names)
+        print(f"{H:>4} {B:>4} {L:>6} " + cols + f"   S {s0}: "
               + " ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
-        for m, stamps in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE)):
-            if m in mods:
+        for m, stamps in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE),
+                          ("timeline_arrival", STAMPS_ARRIVAL)):
+            if m in launchers:
                 line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, stamps)
                 print(f"      {m}: {line}", flush=True)
         if args.profile:
