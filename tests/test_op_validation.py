@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from mla.ops import merge_attention, mla_decode, prefill_attention, reference
+from mla.ops import merge_attention, mla_decode, prefill_attention, reference, rope_append
 
 BACKENDS = ["torch", "triton"]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,7 +35,7 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("an implementation ran: the error must come before it")
     for module in (kernels, reference):
-        for op in ("mla_decode", "prefill_attention", "merge_attention"):
+        for op in ("mla_decode", "prefill_attention", "merge_attention", "rope_append"):
             # a function of its own each: the ops tell the kernels from the reference by identity
             monkeypatch.setattr(module, op, lambda *a, **k: launched(*a, **k))
 
@@ -208,3 +208,37 @@ def test_bf16_refused_by_the_interpreter(no_launch):
     with raises("backend", "bfloat16"):
         mla.MLA(mla.MLAConfig.preset("tiny"), dtype=torch.bfloat16, device="cpu", backend="triton")
     mla.MLA(mla.MLAConfig.preset("tiny"), dtype=torch.float16, device="cpu", backend="triton")
+
+
+def _rope_case(T=3, H=2, r=8, dr=4, blocks=2, bs=4, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    q_pe, k_pe = torch.randn(T, H, dr, generator=g), torch.randn(T, dr, generator=g)
+    c_kv, cos = torch.randn(T, r, generator=g), torch.rand(T, dr // 2, generator=g)
+    kv = torch.zeros(blocks, bs, r + dr, dtype=dtype)
+    return q_pe, k_pe, c_kv, cos, cos.clone(), kv, torch.tensor([5, -1, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_append_slots_devices_scale(no_launch, backend):
+    """The append writes where slot_mapping says: a slot past the pool (out of bounds on the Triton
+    path), an input on another device or a non-numeric kv_scale is refused before the write."""
+    q_pe, k_pe, c_kv, cos, sin, kv, slots = _rope_case()
+    with raises("slot_mapping", "< 8", "8", "index 0"):
+        rope_append(q_pe, k_pe, c_kv, cos, sin, kv, torch.tensor([8, -1, 0]), False, backend=backend)
+    with raises("sin", "device cpu"):
+        rope_append(q_pe, k_pe, c_kv, cos, sin.to("meta"), kv, slots, False, backend=backend)
+    kv8 = torch.zeros(2, 4, 12, dtype=torch.float8_e4m3fn)
+    with raises("kv_scale", "finite real number"):
+        rope_append(q_pe, k_pe, c_kv, cos, sin, kv8, slots, False, kv_scale="x", backend=backend)
+
+
+def test_rope_append_valid_slots_pass():
+    """Negative slots are skipped; both backends write the same rows."""
+    outs = []
+    for backend in BACKENDS:
+        q_pe, k_pe, c_kv, cos, sin, kv, slots = _rope_case()
+        rope_append(q_pe, k_pe, c_kv, cos, sin, kv, slots, False, backend=backend)
+        outs.append(kv)
+        assert kv.view(-1, kv.shape[-1])[[5, 0]].abs().sum(-1).gt(0).all()
+        assert kv.view(-1, kv.shape[-1])[[1, 2, 3, 4, 6, 7]].eq(0).all()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)

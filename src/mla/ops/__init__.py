@@ -279,10 +279,19 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
            f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {_describe(kv_cache)}")
     _check(slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64,
            f"slot_mapping: expected int64 [{T}], got {_describe(slot_mapping)}")
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
+                    ("slot_mapping", slot_mapping)):
+        _check(t.device == kv_cache.device, f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
+    if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
+        slots = kv_cache.shape[0] * kv_cache.shape[1]
+        bad = (slot_mapping >= slots).nonzero().flatten().tolist()
+        _check(not bad, f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative (skipped), "
+                        f"got {slot_mapping[bad[0]].item() if bad else 0} at index {bad[0] if bad else 0}")
+    kv_scale = _float("kv_scale", kv_scale)
     impl = _impl("rope_append", backend, kv_cache.device, fmt)
     if fmt == "plain":
         return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave))
-    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave), float(kv_scale))
+    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave), kv_scale)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):
