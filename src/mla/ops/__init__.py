@@ -113,12 +113,16 @@ def _check_paged_values(block_table, cache_seqlens, num_blocks: int, block_size:
                          f"reach, got block_table[{b}, {j}] = {block_table[b, j].item()}")
 
 
+def _offsets_ok(h: list, total: int) -> bool:
+    """Host offsets of packed rows: from 0 to ``total``, never decreasing."""
+    return h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))
+
+
 def _host_offsets(name: str, cu: torch.Tensor, rows: str, total: int, hint_name: str, hint) -> list:
-    """cu's values on the host: 0 up to ``total`` packed rows, never decreasing; a host copy the
-    caller gave (``hint``) must hold the same values."""
+    """cu's values on the host (``_offsets_ok``); a host copy the caller gave (``hint``) must hold
+    the same values."""
     h = cu.tolist()
-    _check(h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:])),
-           f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
+    _check(_offsets_ok(h, total), f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
     _check(hint is None or list(hint) == h, f"{hint_name}: expected {name}'s values {h}, got {hint!r}"[:300])
     return h
 
@@ -215,7 +219,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
         # what the host can check: B + 1 ints from 0 to the row count, never decreasing
         _check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
-                             and h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))),
+                             and _offsets_ok(h, total)),
                f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
     impl = _impl("prefill_attention", backend, q.device)
     _check_interpretable("prefill_attention", impl, q.device, q, k, v)
@@ -285,8 +289,9 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
         slots = kv_cache.shape[0] * kv_cache.shape[1]
         bad = (slot_mapping >= slots).nonzero().flatten().tolist()
-        _check(not bad, f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative (skipped), "
-                        f"got {slot_mapping[bad[0]].item() if bad else 0} at index {bad[0] if bad else 0}")
+        if bad:
+            raise ValueError(f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative "
+                             f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
     kv_scale = _float("kv_scale", kv_scale)
     impl = _impl("rope_append", backend, kv_cache.device, fmt)
     if fmt == "plain":
