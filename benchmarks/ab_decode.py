@@ -22,12 +22,17 @@ import tempfile
 from pathlib import Path
 
 
-def run_tree(src: Path, bench_args: list[str], csv_path: Path) -> None:
+def tree_env(src: Path) -> dict:
+    """This process's environment with the source tree src first on PYTHONPATH."""
     env = dict(os.environ)
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(src.resolve())] + rest)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve())] + rest)
+    return env
+
+
+def run_tree(src: Path, bench_args: list[str], csv_path: Path) -> None:
     cmd = [sys.executable, "-m", "mla.cli", "bench", "decode", "--no-peers", "--csv", str(csv_path), *bench_args]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, env=tree_env(src), check=True, stdout=subprocess.DEVNULL)
 
 
 def read_times(csv_path: Path, provider: str) -> dict:

@@ -20,6 +20,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ab_decode import tree_env  # noqa: E402
+
 # (H, B, L, s_q): small batches (portable / narrow), B 32 (split kernels), odd heads, MTP rows
 CASES = ((16, 1, 3000, 1), (16, 8, 1000, 1), (16, 32, 4096, 1), (16, 4, 3000, 2), (7, 3, 777, 1),
          (128, 2, 2000, 1), (128, 4, 1500, 2))
@@ -59,11 +63,9 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp())
     saved = []
     for i, src in enumerate(args.trees):
-        env = dict(os.environ)
-        rest = [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q]
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve())] + rest)
         saved.append(work / f"tree{i}.pt")
-        subprocess.run([sys.executable, __file__, "--save", str(saved[-1]), "--kv", *args.kv], env=env, check=True)
+        subprocess.run([sys.executable, __file__, "--save", str(saved[-1]), "--kv", *args.kv], env=tree_env(src),
+                       check=True)
     differ = compare(*(torch.load(f) for f in saved))
     return 1 if differ else 0
 
