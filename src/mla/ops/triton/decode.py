@@ -158,11 +158,13 @@ def _combine_kernel(
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), for BLOCK_R query
     rows (m = i * H + h) and BLOCK_D output columns of one sequence, BLOCK_S splits at a time.
-    PDL: launched as a programmatic dependent of the split kernel, so wait for its writes, and
-    let the kernel after it (the next step's split kernel, itself a dependent) be placed."""
+    PDL: launched as a programmatic dependent of the split kernel, so wait for its writes; the
+    kernel after it (the next step's split kernel, itself a dependent that waits for this one to
+    finish before it reads anything) may be placed from the start, not only once the wait is over
+    (H200, 16 heads B 32 / 64 x 1k-16k: 0.991-1.001x the time, geometric mean 0.997)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
