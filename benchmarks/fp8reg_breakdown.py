@@ -166,11 +166,12 @@ TIMELINE_ARRIVAL = TIMELINE[:3] + [
 ]
 
 
-def timeline(mod, launch, copies, S: int, B: int, names=STAMPS) -> str:
+def timeline(mod, launch, copies, S: int, B: int, names=STAMPS, dump=None) -> str:
     """Lines on the programs' stamps in the last of len(copies) back-to-back launches: when the
     programs enter, pass the wait on the previous kernel and reach the last stamp (min / median
-    / max, us from the first entry), and the median time between consecutive stamps (names:
-    ``STAMPS`` or ``STAMPS_PROLOGUE``)."""
+    / max, us from the first entry), the median time between consecutive stamps (names:
+    ``STAMPS`` or ``STAMPS_PROLOGUE``), and how the last stamps spread within each sequence's
+    splits. dump: a file to save the stamps to (``torch.save``: us from the first entry, SMs)."""
     for kv in copies:
         launch(kv)
     torch.cuda.synchronize()
@@ -182,8 +183,17 @@ def timeline(mod, launch, copies, S: int, B: int, names=STAMPS) -> str:
         return f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"
     steps = ", ".join(f"{names[i - 1]}->{names[i]} {(ts[:, i] - ts[:, i - 1]).median():.2f}"
                       for i in range(1, len(names)))
+    if dump is not None:
+        torch.save({"names": names, "us": ts, "sm": t[:, 7].long(), "S": S, "B": B}, dump)
+    # the ends by sequence (programs b S .. b S + S - 1): how far apart a sequence's splits end,
+    # and when the last would end if each sequence's keys were shared out so that its splits
+    # ended together (the mean of its ends; the prediction for balancing within a sequence)
+    ends = ts[:, 6].view(B, S)
+    within = ends.max(dim=1).values - ends.min(dim=1).values
     return (f"{S * B} programs on {t[:, 7].unique().numel()} SMs: entry {q(ts[:, 0])}, waited {q(ts[:, 1])}, "
-            f"{names[6]} {q(ts[:, 6])} us\n      medians: {steps} us")
+            f"{names[6]} {q(ts[:, 6])} us\n      medians: {steps} us\n"
+            f"      a sequence's splits end apart by {q(within)} us; the last sequence's mean end "
+            f"{ends.mean(dim=1).max():.1f} us, its last end {ends.max(dim=1).values.max():.1f}")
 
 
 def variant_source(mode: str) -> str:
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--split-factors", nargs="*", type=float, default=[],
                    help="also time the shipped kernel at these multiples of its default split count")
     p.add_argument("--profile", action="store_true", help="also print each kernel's device time per variant")
+    p.add_argument("--dump", help="a folder to save each timeline's stamps in (torch.save, a file a mode and shape)")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes, "H,B,L")
     if not torch.cuda.is_available():
@@ -280,7 +291,8 @@ def main(argv=None) -> int:
         for m, stamps in (("timeline", STAMPS), ("timeline_prologue", STAMPS_PROLOGUE),
                           ("timeline_arrival", STAMPS_ARRIVAL)):
             if m in launchers:
-                line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, stamps)
+                dump = args.dump and os.path.join(args.dump, f"{m}_{H}_{B}_{L}.pt")
+                line = timeline(mods[m], launchers[m], bench.rotated_copies(c["kv"]), s0, B, stamps, dump)
                 print(f"      {m}: {line}", flush=True)
         if args.profile:
             for m, fn in launchers.items():
