@@ -56,8 +56,8 @@ def compile_gluon(fn, signature: dict, constexprs: dict, aligned=(), num_warps: 
 
 
 _INTS = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os", "stride_ob", "stride_oi", "stride_oh",
-         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "block_size", "num_splits"]
-_ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
+         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "B", "block_size", "num_splits"]
+_ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "INFO", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
             "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
 
 
@@ -73,11 +73,11 @@ def fp8_kernel(m=None, tile: bool = False):
         pe = f"tensordesc<bf16[64, 64],{gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)!r}>"
         sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
     sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
-           "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS},
-           "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
+           "O": "*fp32", "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
+           **{k: "i32" for k in _INTS}, "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
     cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
-          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "num_warps": 4}
+          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "BLOCK_B": 32, "num_warps": 4}
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
@@ -85,7 +85,8 @@ def _bf16_sig(extra: dict) -> dict:
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 64],{bf16_l!r}>"
     return {"Q": "*bf16", "kv_desc": desc, "pe_desc": desc, "sc_desc": desc, "BT": "*i32", "SEQLENS": "*i32",
-            "O": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", **{k: "i32" for k in _INTS}, **extra}
+            "O": "*fp32", "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
+            **{k: "i32" for k in _INTS}, **extra}
 
 
 def seesaw_kernel(m=None):
@@ -96,7 +97,7 @@ def seesaw_kernel(m=None):
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"})
     cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": False,
-          "num_warps": 4}
+          "BLOCK_B": 32, "num_warps": 4}
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
@@ -107,7 +108,7 @@ def narrow_kernel(m=None):
         from mla.ops.triton import decode_gluon_narrow as m
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
-          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "num_warps": 4}
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": 32, "num_warps": 4}
     return compile_gluon(m._narrow_kernel, _bf16_sig({}), cx, _ALIGNED, maxnreg=168)
 
 

@@ -37,8 +37,8 @@ _CARVEOUT_ATTR = 9     # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
 def narrow_source(mode: str) -> str:
     src = absolute_imports((KERNELS / "decode_gluon_narrow.py").read_text())
-    src = edit(src, "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n",
-               "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n    n_tiles = gl.minimum(end - start, 0)\n")
+    src = edit(src, "S_Q, stride_qi, stride_qh, 0, R)\n", "S_Q, stride_qi, stride_qh, 0, R)\n"
+               "    n_tiles = gl.minimum(end - start, 0)\n")
     if mode == "no_tiles_store":
         src = edit(src, "mask=(r < H * S_Q)[None, :] & (d < 512)[:, None]", "mask=(r < 0)[None, :] & (d < 512)[:, None]")
     return src

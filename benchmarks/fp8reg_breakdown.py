@@ -14,7 +14,7 @@ stores and combine), no_tiles_store (no_tiles with the partial stores masked off
 kernel, where it computes bt_row (after the ring's barrier inits), after its query split, when
 warpgroup 0 has its first tile and is done with its last, and at the end: prints how entries
 and ends spread over the kernel and the median of each step); timeline_prologue (the set-up
-alone, finer: stamps once the length and the query have landed, after the barrier inits, after
+alone, finer: stamps once the plan is made and the query has landed, after the barrier inits, after
 the query split, and at the first tile); timeline_arrival (the end of a program, for a merge of the
 splits in the kernel: the last tile, the partial stored, a fence and a release arrival on a
 counter per sequence, and the wait until all the sequence's splits have arrived; only where all
@@ -64,7 +64,7 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 
 MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline",
          "timeline_prologue", "timeline_arrival")
-SPLIT = "_split_tiles(SEQLENS, b, pid_s, num_splits, 64)\n"
+SPLIT = "S_Q, stride_qi, stride_qh, r0, _R)\n"      # the end of the plan's call
 
 STAMP = '''
 TIMES = {}
@@ -92,36 +92,34 @@ def _fp8_kernel('''
 # computes bt_row: after its tile split until 2774521, after the ring's barrier inits since be4e32a.
 # One program a split: 16 query rows at most (two row groups would share a row of stamps)
 STAMPS = ("entry", "waited", "bt_row", "query split", "first tile", "last tile", "end")
-PROG = "gl.program_id(1) * num_splits + gl.program_id(0)"
+PROG = "gl.program_id(0)"
 TIMELINE = [
     ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
-    ("    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,\n", "    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, TL,\n"),
+    ("    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO,\n",
+     "    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO, TL,\n"),
     ("    gl.static_assert(num_warps == 4)\n    wait_prerequisites()\n",
      f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n    wait_prerequisites()\n"
      f"    _stamp(TL, {PROG}, 0)\n"),
-    ("    bt_row = b.to(gl.int64) * stride_bt\n", "    bt_row = b.to(gl.int64) * stride_bt\n    _stamp(TL, b * num_splits + pid_s, 2)\n"),
-    ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, b * num_splits + pid_s, 3)\n"),
+    ("    bt_row = b.to(gl.int64) * stride_bt\n", "    bt_row = b.to(gl.int64) * stride_bt\n    _stamp(TL, p, 2)\n"),
+    ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, p, 3)\n"),
     ("            qk_scale, v_scale)\n    gl.warp_specialize",
-     "            qk_scale, v_scale, TL, b * num_splits + pid_s)\n    gl.warp_specialize"),
+     "            qk_scale, v_scale, TL, p)\n    gl.warp_specialize"),
     ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog) = a\n"),
     ("        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n",
      "        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n"
      "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 4)\n"),
     ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 5)\n    l_i = gl.sum(l_t, axis=0)\n"),
-    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),
-    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,\n",
-     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, _times(q.device),\n"),
+    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, p, 6)\n"),
+    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,\n",
+     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info, _times(q.device),\n"),
 ]
-# the set-up alone, finer: a stamp once the length is in, once the query's last chunk is in
+# the set-up alone, finer: a stamp once the plan is made (the lengths in), once the query's last chunk is in
 # (behind a branch on the values, so that it cannot be taken before they land; the reduction
 # adds a little), after the barrier inits and after the query split; then the first tile
-STAMPS_PROLOGUE = ("entry", "waited", "length in", "query in", "inits", "query split", "first tile")
-_PROG_S = "b * num_splits + pid_s"
+STAMPS_PROLOGUE = ("entry", "waited", "plan", "query in", "inits", "query split", "first tile")
+_PROG_S = "p"
 TIMELINE_PROLOGUE = TIMELINE[:3] + [
-    ("    seqlen, start, end, n_tiles = " + SPLIT,
-     "    seqlen, start, end, n_tiles = " + SPLIT + f"    if seqlen >= 0:\n        _stamp(TL, {_PROG_S}, 2)\n"),
-    ("    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)\n",
-     "    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)\n"
+    (SPLIT, SPLIT + f"    if seqlen >= 0:\n        _stamp(TL, {_PROG_S}, 2)\n"
      "    if gl.sum(gl.sum(xq[8].to(gl.float32), axis=1), axis=0) * 0.0 == 0.0:\n"
      f"        _stamp(TL, {_PROG_S}, 3)\n"),
     ("    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n",
@@ -144,7 +142,7 @@ STAMPS_ARRIVAL = ("entry", "waited", "last tile", "stored", "arrived", "all arri
 _CNT = "TL + 480000 + b"
 TIMELINE_ARRIVAL = TIMELINE[:3] + [
     ("            qk_scale, v_scale)\n    gl.warp_specialize",
-     "            qk_scale, v_scale, TL, b * num_splits + pid_s, num_splits, b)\n    gl.warp_specialize"),
+     "            qk_scale, v_scale, TL, p, num_splits, b)\n    gl.warp_specialize"),
     ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog, num_splits, b) = a\n"),
     ("    l_i = gl.sum(l_t, axis=0)\n", "    if WG == 0:\n        _stamp(TL, prog, 2)\n    l_i = gl.sum(l_t, axis=0)\n"),
     ("        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)\n",
@@ -158,9 +156,9 @@ TIMELINE_ARRIVAL = TIMELINE[:3] + [
      f"        while gl.atomic_add({_CNT}, 0, sem=\"acquire\", scope=\"gpu\") < target:\n"
      "            target = target + 0\n"
      "        _stamp(TL, prog, 5)\n"),
-    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, b * num_splits + pid_s, 6)\n"),
-    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,\n",
-     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, _counters_zeroed(q.device),\n"),
+    ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, p, 6)\n"),
+    ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,\n",
+     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info, _counters_zeroed(q.device),\n"),
     ("\n@gluon.jit\ndef _stamp(", "\ndef _counters_zeroed(device):\n    t = _times(device)\n    t[60000:].zero_()\n"
      "    return t\n\n\n@gluon.jit\ndef _stamp("),
 ]
@@ -209,7 +207,7 @@ def variant_source(mode: str) -> str:
     elif mode == "no_softmax":
         src = edit(src, SOFTMAX, "        p = s\n        alpha = m_i * 0.0 + 1.0\n        l_t = l_t + 1.0\n")
     elif mode == "no_combine":
-        src = edit(src, "    if S > 1:\n        combine(o_part, l_part, out, lse)\n", "")
+        src = edit(src, "    if S > 1:\n        combine(o_part, l_part, out, lse, info)\n", "")
     elif mode in ("no_tiles", "no_tiles_store"):
         src = edit(src, SPLIT, SPLIT + "    n_tiles = gl.minimum(n_tiles, 0)\n")
         if mode == "no_tiles_store":

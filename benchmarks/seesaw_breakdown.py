@@ -45,8 +45,8 @@ def _qk('''
 def variant_source(mode: str) -> str:
     src = absolute_imports(SRC.read_text())
     if mode in ("no_tiles", "no_tiles_q", "no_tiles_store"):
-        src = edit(src, "_split_tiles(SEQLENS, b, pid_s, num_splits, BN)\n",
-                   "_split_tiles(SEQLENS, b, pid_s, num_splits, BN)\n    n_tiles = gl.minimum(end - start, 0)\n")
+        src = edit(src, "_planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)\n",
+                   "_planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)\n    n_tiles = gl.minimum(end - start, 0)\n")
         if mode == "no_tiles_q":       # nor the query loads (all masked off)
             src = edit(src, "qmask = (rows < H * S_Q)", "qmask = (rows < 0)")
             src = edit(src, "mask = (rows < H * S_Q)[:, None] & (cols < 64)", "mask = (rows < 0)[:, None] & (cols < 64)")

@@ -198,6 +198,19 @@ def test_fp8_register_operands_splits_fp16_page128_non_causal():
           num_splits=1, kernel="fp8reg")
 
 
+@pytest.mark.parametrize("kernel,H,s_q,kv_fmt", [("seesaw", 128, 1, "plain"), ("seesaw", 64, 2, "fp8"),
+                                                 ("narrow", 16, 1, "plain"), ("narrow", 7, 2, "plain"),
+                                                 ("fp8reg", 16, 1, "fp8"), ("fp8reg", 16, 2, "fp8"),
+                                                 ("fp8reg", 3, 1, "fp8_tile")])
+def test_planned_split_skewed_lengths(kernel, H, s_q, kv_fmt):
+    """The split plan (``decode_gluon._planned_split``) at the default split count, where it
+    shares a long sequence out over most of the programs: one long sequence among short ones,
+    empty ones and ones of a single key, and a batch whose lengths are all shorter than a split."""
+    check([20000] + [700] * 13 + [0, s_q, 1, 65], s_q, H, seed=H + s_q, kv_fmt=kv_fmt, kernel=kernel)
+    check([3, 20000, 5, 17000, 64], s_q, H, seed=H * 3 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=24)
+    check([1, s_q, 2, 0], s_q, H, seed=H * 5 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=9)
+
+
 @pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (3, 4), (7, 2)])
 def test_fp8_tile_rows_e4m3(H, s_q):
     """FP8 tile rows (a float32 scale per key and 128 values, bf16 k_pe) through the e4m3

@@ -125,6 +125,37 @@ def test_cpu_non_causal(dtype):
     check([3, 41], 3, 7, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", causal=False, seed=11)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_cpu_plan_shares_programs_by_length(splits, monkeypatch):
+    """The split plan (``decode._planned_split``): num_splits * B programs shared out by length.
+    Each sequence's programs are a run of its own (info: first, count), the runs cover all the
+    programs in order, every sequence has one, and the long sequence gets the most; the output
+    matches the oracle, with the long sequence's extra programs partly empty."""
+    lens = [300, 5, 0, 1, 17, 64]
+    seen = {}
+    planned = decode.planned_results
+
+    def spy(out, lse, num_splits):
+        o, l_, info = planned(out, lse, num_splits)
+        seen["info"] = info
+        return o, l_, info
+    monkeypatch.setattr(decode, "planned_results", spy)
+    q, kv, table, seqlens = make_case(lens, 2, 3, 64, 16, 16, torch.float32, "cpu", seed=splits)
+    cfg = decode.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits)
+    scale = 1.0 / math.sqrt(80)
+    out, lse = decode.launch(q, kv, table, seqlens, 64, scale, True, cfg)
+    ref_out, ref_lse = attend(q, kv, table, seqlens, 64, scale, True, torch.float64)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.double()[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    if splits > 1:
+        first, count = seen["info"].long().unbind(1)
+        assert (count >= 1).all() and first[0] == 0 and torch.equal(first[1:], (first + count)[:-1])
+        assert (first + count)[-1] == splits * len(lens)
+        assert count.argmax() == 0 and count[0] > splits
+
+
 def test_cpu_odd_dims():
     # head_dim_v and rope dims that are not powers of two, block size 1
     check([9, 4], 2, 3, dv=48, dr=8, block_size=1, dtype=torch.float32, device="cpu", seed=3)

@@ -5,15 +5,16 @@ the key is the whole row, the value its first ``dv`` entries. Every query row of
 sequence (``s_q`` tokens x ``H`` heads) sees the same keys, so they are flattened
 into the M dimension of the tensor-core tiles: row ``m = i * H + h``.
 
-Schedule (plan on the host from shapes only, so a step can be captured in a CUDA graph):
+Schedule (the split count from shapes only, so a step can be captured in a CUDA graph):
 
-    grid = (ceil(H * s_q / BLOCK_M), num_splits, B)
-    program (mb, s, b):  keys [s * chunk, (s + 1) * chunk) of sequence b, chunk from its
-                         length (read on the device), BLOCK_N keys per step:
+    grid = (ceil(H * s_q / BLOCK_M), num_splits * B)
+    program (mb, p):     a run of BLOCK_N-key chunks of one sequence b, shared out by the
+                         lengths (read on the device, ``_planned_split``: a long sequence
+                         among short ones gets most of the programs), BLOCK_N keys per step:
         S   = q_nope @ c_kv^T + q_pe @ k_pe^T          # [BLOCK_M, BLOCK_N], fp32
         online softmax (base 2), acc += P @ c_kv         # [BLOCK_M, dv], fp32
-        -> partial (out, lse) per split, or the final result when num_splits == 1
-    combine: out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s
+        -> partial (out, lse) per program, or the final result when num_splits == 1
+    combine: out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s over b's programs
 
 Masking: loads past a sequence's end are masked with ``other=0`` (never dereferenced:
 NaN in unused blocks or tail slots cannot leak), invisible scores are set to -inf
@@ -50,20 +51,53 @@ class DecodeConfig:
 
 
 @jit
+def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program p's share of the batch's keys, by length, in whole BN-key chunks: the plan of
+    ``decode_gluon._planned_split`` (which the Hopper kernels use with 64-key chunks; the same
+    rule, written twice because Gluon and Triton kernels cannot call each other's functions).
+    P = num_splits * B programs; sequence b gets one plus a share of the other P - B by its
+    chunks (rounded down, the remainder one each to the first sequences), and program p the
+    k-th of b's runs of chunks. INFO[b] = (first program, count), for ``combine``. Returns
+    (b, seqlen, start, end)."""
+    i = tl.arange(0, BLOCK_B)
+    lens = tl.load(SEQLENS + i, mask=i < B, other=0)
+    chunks = ((lens + BN - 1) // BN).to(tl.int64)
+    total = tl.maximum(tl.sum(chunks, 0), 1)
+    P = num_splits * B
+    n = tl.where(i < B, 1 + ((P - B) * chunks) // total, 0)
+    left = P - tl.sum(n, 0)                            # 0 <= left < B: what the rounding left
+    n = n + tl.where(i < B, left // B + (i < left % B).to(tl.int64), 0)
+    last = tl.cumsum(n, 0)                             # one past each sequence's last program
+    b = tl.sum((last <= p).to(tl.int32), 0)
+    mine = i == b
+    count = tl.sum(tl.where(mine, n, 0), 0)
+    first = tl.sum(tl.where(mine, last, 0), 0) - count
+    seqlen = tl.sum(tl.where(mine, lens, 0), 0)
+    c = tl.sum(tl.where(mine, chunks, 0), 0)
+    k = p - first
+    start = ((k * c) // count).to(tl.int32) * BN
+    end = tl.minimum(((k + 1) * c // count).to(tl.int32) * BN, seqlen)
+    tl.store(INFO + 2 * b, first.to(tl.int32), mask=k == 0)
+    tl.store(INFO + 2 * b + 1, count.to(tl.int32), mask=k == 0)
+    return b, seqlen, start, end
+
+
+@jit
 def _decode_split_kernel(
-    Q, KV, BT, SEQLENS, O, LSE,
+    Q, KV, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
     stride_kv_blk, stride_kv_row,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, DV, DR, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, DV, DR, block_size, num_splits, qk_scale, v_scale,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = tl.program_id(2)
+    prog = tl.program_id(1)
+    b, seqlen, start, end = _planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m < H * S_Q
@@ -81,11 +115,6 @@ def _decode_split_kernel(
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
 
-    seqlen = tl.load(SEQLENS + b)
-    per_split = (seqlen + num_splits - 1) // num_splits
-    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, seqlen)
     if CAUSAL:
         limit = seqlen - S_Q + qi + 1        # query i sees keys < limit
     else:
@@ -140,21 +169,22 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_row = O + pid_s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
+    o_row = O + prog.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
     tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-    l_row = LSE + pid_s.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
+    l_row = LSE + prog.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
     tl.store(l_row, lse, mask=row_ok)
 
 
 @jit
 def _combine_kernel(
-    O_PART, LSE_PART, OUT, LSE,
+    O_PART, LSE_PART, OUT, LSE, INFO,
     stride_ps, stride_pb, stride_pi, stride_ph,
     stride_ls, stride_lb, stride_li,
     stride_ob, stride_oi, stride_oh,
     stride_Lb, stride_Li,
     n_rows, H, DV, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    PLANNED: tl.constexpr,
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), for BLOCK_R query
     rows (m = i * H + h) and BLOCK_D output columns of one sequence, BLOCK_S splits at a time.
@@ -166,6 +196,13 @@ def _combine_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(1)
+    l_seq = LSE_PART + b.to(tl.int64) * stride_lb
+    p_seq = O_PART + b.to(tl.int64) * stride_pb
+    if PLANNED:     # sequence b's partials: slots INFO[b, 0] .. + INFO[b, 1] - 1 (decode_gluon.planned_results)
+        s_first = tl.load(INFO + 2 * b).to(tl.int64)
+        num_splits = tl.load(INFO + 2 * b + 1)
+        l_seq += s_first * stride_ls
+        p_seq += s_first * stride_ps
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     qi = r // H
@@ -173,8 +210,8 @@ def _combine_kernel(
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < DV
     s_off = tl.arange(0, BLOCK_S)
-    l_rows = LSE_PART + b.to(tl.int64) * stride_lb + qi * stride_li + h                  # [R]
-    p_rows = O_PART + b.to(tl.int64) * stride_pb + qi * stride_pi + h * stride_ph         # [R]
+    l_rows = l_seq + qi * stride_li + h                     # [R]
+    p_rows = p_seq + qi * stride_pi + h * stride_ph         # [R]
 
     # one pass, the running maximum rescaling what is summed so far (one round of loads when
     # all the splits fit in BLOCK_S, the usual case)
@@ -262,31 +299,50 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     if B == 0 or s_q == 0 or H == 0:
         return out, lse
     S = cfg.num_splits
-    if S == 1:
-        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o_part = torch.empty(S, B, s_q, H, dv, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(S, B, s_q, H, dtype=torch.float32, device=q.device)
+    o_part, l_part, info = planned_results(out, lse, S)
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
-    grid = (triton.cdiv(H * s_q, cfg.block_m), S, B)
+    grid = (triton.cdiv(H * s_q, cfg.block_m), S * B)
     _decode_split_kernel[grid](
-        q, kv_cache, block_table, cache_seqlens, o_part, l_part,
+        q, kv_cache, block_table, cache_seqlens, o_part, l_part, info,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, dv, dr, kv_cache.shape[1], S,
+        H, s_q, B, dv, dr, kv_cache.shape[1], S,
         softmax_scale * _LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
         CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt,
         PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_B=block_b(B),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if S > 1:
-        combine(o_part, l_part, out, lse)
+        combine(o_part, l_part, out, lse, info)
     return out, lse
+
+
+def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int):
+    """Where the split kernels write (the plan, ``_planned_split`` here and in ``decode_gluon``:
+    P = num_splits * B programs, program p into slot p), as [P, B, ...] views that a kernel
+    addresses at (p, b): out and lse themselves
+    when there is one split (slot strides 0: program p is sequence p), else float32 partials of
+    P slots (sequence strides 0), with info [B, 2] int32, each sequence's (first slot, slot
+    count), for ``decode.combine``. Returns (o_part, l_part, info)."""
+    B = out.shape[0]
+    P = num_splits * B
+    info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
+    if num_splits == 1:
+        return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info
+    o = torch.empty(P, *out.shape[1:], dtype=torch.float32, device=out.device)
+    l_ = torch.empty(P, *lse.shape[1:], dtype=torch.float32, device=out.device)
+    return o.unsqueeze(1).expand(P, *out.shape), l_.unsqueeze(1).expand(P, *lse.shape), info
+
+
+def block_b(B: int) -> int:
+    """The plan's vector width (``_planned_split``) for a batch of B: B rounded up to a power of
+    two, at least 16 (a compile-time constant: a new power of two compiles the kernel again)."""
+    return max(16, triton.next_power_of_2(B))
 
 
 def combine_tiles(num_splits: int, rows: int, dv: int) -> tuple[int, int, int]:
@@ -301,22 +357,25 @@ def combine_tiles(num_splits: int, rows: int, dv: int) -> tuple[int, int, int]:
     return bs, br, bd
 
 
-def combine(o_part, l_part, out, lse):
+def combine(o_part, l_part, out, lse, info=None):
     """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32), l_part [S, B, s_q, H]
-    into out [B, s_q, H, dv] and lse [B, s_q, H]; also used by the Gluon kernels."""
+    into out [B, s_q, H, dv] and lse [B, s_q, H]. info (the Gluon kernels' plan,
+    ``decode_gluon.planned_results``): [B, 2] int32, sequence b's partials are slots info[b, 0]
+    .. + info[b, 1] - 1 of S = num_splits * B."""
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")
-    bs, br, bd = combine_tiles(S, H * s_q, dv)
+    bs, br, bd = combine_tiles(S if info is None else S // B, H * s_q, dv)
     pdl = PDL and out.is_cuda and _sm_major(out.device.index or 0) >= 9
     _combine_kernel[(triton.cdiv(H * s_q, br), B, triton.cdiv(dv, bd))](
-        o_part, l_part, out, lse,
+        o_part, l_part, out, lse, l_part if info is None else info,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         H * s_q, H, dv, S,
-        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -9,9 +9,11 @@ out as one 2-D matrix (unit column stride). Anything else: use
 ``decode_gluon_fp8`` are the other Hopper kernels (few query rows; FP8 rows with few query
 rows); ``decode.choose_kernel`` chooses.
 
-Grid (ceil(H * s_q / 64), splits, B): 64 query rows m = i * H + h (zero-padded) against the
-keys of one split of sequence b (splits planned on the host from shapes only, so a decode
-step can be captured in a CUDA graph); partial (out, lse) per split -> ``decode.combine``.
+Grid (ceil(H * s_q / 64), splits * B): 64 query rows m = i * H + h (zero-padded) against one
+share of one sequence's keys. The split count comes from shapes only (no host sync, so a decode
+step can be captured in a CUDA graph); each program finds its sequence and keys from the lengths
+(``_planned_split``: a long sequence among short ones gets most of the programs); partial
+(out, lse) per program -> ``decode.combine``.
 
 Warp-specialized: the two warpgroups take alternate key tiles (a "seesaw", the schedule
 FlashMLA describes; our own code). An earlier schedule here had both warpgroups compute
@@ -69,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import decode as _decode, kv_fmt
-from .decode import _num_sms, combine
+from .decode import _num_sms, block_b, combine, planned_results
 
 __all__ = ["mla_decode_gluon", "supports", "launch_gluon"]
 
@@ -432,15 +434,58 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
 
 
 @gluon.jit
-def _split_tiles(SEQLENS, b, pid_s, num_splits, BN: gl.constexpr):
-    """Sequence b's length and split pid_s's keys [start, end), in n_tiles tiles of BN keys: each
-    split gets whole 64-key chunks (default_splits counts on that), the last split the rest."""
-    seqlen = gl.load(SEQLENS + b)
-    per_split = (seqlen + num_splits - 1) // num_splits
-    chunk = (per_split + 63) // 64 * 64
-    start = pid_s * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    return seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: gl.constexpr):
+    """Program p's share of the batch's keys, by length (the launch has P = num_splits * B
+    programs; ``planned_results``). Each sequence gets one program, plus a share of the other
+    P - B by its 64-key chunks (rounded down; what rounding leaves goes one each to the first
+    sequences), so a long sequence among short ones is spread over many SMs. Equal lengths give
+    num_splits programs a sequence, in order: the grid of a fixed split count.
+
+    The program then takes its part of its sequence b: the k-th of count nearly equal runs of
+    whole 64-key chunks. That is keys [start, end), in n_tiles tiles of BN keys. Its results go
+    to slot p; INFO[b] = (first, count), b's slots, for ``decode.combine`` (written by b's
+    first program). Every program computes the plan from the B lengths (BLOCK_B >= B): no host
+    sync. Returns (b, seqlen, start, end, n_tiles)."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, BLOCK_B, layout=L)
+    lens = gl.load(SEQLENS + i, mask=i < B, other=0)
+    chunks = ((lens + 63) // 64).to(gl.int64)
+    total = gl.maximum(gl.sum(chunks, axis=0), 1)
+    P = num_splits * B
+    n = gl.where(i < B, 1 + ((P - B) * chunks) // total, 0)
+    left = P - gl.sum(n, axis=0)                       # 0 <= left < B: what the rounding left
+    n = n + gl.where(i < B, left // B + (i < left % B).to(gl.int64), 0)
+    last = gl.associative_scan(n, 0, _add)             # one past each sequence's last program
+    b = gl.sum((last <= p).to(gl.int32), axis=0)
+    mine = i == b
+    count = gl.sum(gl.where(mine, n, 0), axis=0)
+    first = gl.sum(gl.where(mine, last, 0), axis=0) - count
+    seqlen = gl.sum(gl.where(mine, lens, 0), axis=0)
+    c = gl.sum(gl.where(mine, chunks, 0), axis=0)
+    k = p - first
+    start = ((k * c) // count).to(gl.int32) * 64        # (times 64 last: the compiler sees a multiple of 64)
+    end = gl.minimum(((k + 1) * c // count).to(gl.int32) * 64, seqlen)
+    gl.store(INFO + 2 * b, first.to(gl.int32), mask=k == 0)
+    gl.store(INFO + 2 * b + 1, count.to(gl.int32), mask=k == 0)
+    # through shared memory, each thread reading all four (no cross-lane step after the load):
+    # straight from the reductions, start and end made the warpgroups' branches divergent in the
+    # SASS (BSSY) and spilled warpgroup 1's loop (sm_90a, 272 bytes of stack against 48)
+    V: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    j = gl.arange(0, 4, layout=V)
+    buf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    buf.store(gl.where(j == 0, b, gl.where(j == 1, seqlen, gl.where(j == 2, start, end))))
+    gl.thread_barrier()
+    v = buf.load(V)
+    b = gl.sum(gl.where(j == 0, v, 0), axis=0)
+    seqlen = gl.sum(gl.where(j == 1, v, 0), axis=0)
+    start = gl.sum(gl.where(j == 2, v, 0), axis=0)
+    end = gl.sum(gl.where(j == 3, v, 0), axis=0)
+    return b, seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN
 
 
 @gluon.jit
@@ -472,6 +517,23 @@ def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr, Q
             gl.load(ptr + 256, mask=mask, other=0.0), gl.load(ptr + 320, mask=mask, other=0.0),
             gl.load(ptr + 384, mask=mask, other=0.0), gl.load(ptr + 448, mask=mask, other=0.0),
             gl.load(ptr + 512, mask=mask, other=0.0))
+
+
+@gluon.jit
+def _plan_and_query(SEQLENS, INFO, B, p, num_splits, BLOCK_B: gl.constexpr, Q, stride_qb, H, S_Q, stride_qi,
+                    stride_qh, r0, R: gl.constexpr):
+    """``_planned_split`` (64-key tiles) and the query rows r0 .. r0 + R - 1 of the program's
+    sequence (``_query_chunks``, [R, 64] chunks in the prologue's layout). The query's loads go
+    out first, for sequence p // num_splits (the plan's when the lengths are equal), so that
+    they land under the plan's latency as they did under the length's before; where the plan
+    gives another sequence they go out again."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    guess = p // num_splits
+    xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
+    b, seqlen, start, end, n_tiles = _planned_split(SEQLENS, INFO, B, p, num_splits, 64, BLOCK_B)
+    if b != guess:      # mixed lengths
+        xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
+    return b, seqlen, start, end, n_tiles, xq
 
 
 @gluon.jit
@@ -628,22 +690,21 @@ def launch_dependents():
 
 @gluon.jit
 def _seesaw_kernel(
-    Q, kv_desc, pe_desc, sc_desc, o_desc, BT, SEQLENS, O, LSE,
+    Q, kv_desc, pe_desc, sc_desc, o_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, dtype: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr,
-    TMA_OUT: gl.constexpr, num_warps: gl.constexpr,
+    TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
     ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pid_m = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    b = gl.program_id(2)
+    p = gl.program_id(1)           # the plan's program (``_planned_split``)
 
     Q_SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
                                               rank=2)
@@ -696,7 +757,7 @@ def _seesaw_kernel(
         st8 = (k8, pe8, sc8, free8)
         ring, ring_pe, ring_sc, free = st8
 
-    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, BN)
+    b, seqlen, start, end, n_tiles = _planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
 
@@ -706,8 +767,8 @@ def _seesaw_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
             q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
             stride_li, qk_scale, v_scale, st8, o_desc, b * (H * S_Q) + ml)
@@ -769,20 +830,11 @@ def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> i
     ctas = B * triton.cdiv(rows, _BLOCK_M)
     per_seq = max(1, waves * _num_sms(device.index or 0) // max(ctas, 1))
     balanced = 6.2 * math.sqrt(max_len / max(B * rows, 1))
-    # whole 64-key tiles per split (the kernel rounds a split up to them; other counts leave
-    # splits empty), as many tiles as the balance asks and at least what one wave needs
+    # a count that gives every split of the longest sequence whole 64-key tiles (the plan,
+    # ``_planned_split``, splits in whole tiles), as many tiles as the balance asks and at least
+    # what one wave needs
     tiles = max(1, round(max_len / (_BLOCK_N * balanced)), triton.cdiv(max_len, _BLOCK_N * per_seq))
     return triton.cdiv(max_len, _BLOCK_N * tiles)
-
-
-def split_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a split kernel writes its results: out and lse themselves when there is one split,
-    else float32 partials [num_splits, *out.shape] and [num_splits, *lse.shape] for
-    ``decode.combine``."""
-    if num_splits == 1:
-        return out.unsqueeze(0), lse.unsqueeze(0)
-    return (torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device),
-            torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=out.device))
 
 
 def _descriptors(kv_cache, fmt: int, block_n: int, gdt):
@@ -831,12 +883,12 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     if block_n is None:
         block_n = default_block_n(B, rows) if fmt == 0 else 32
     S = num_splits
-    o_part, l_part = split_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S)
     # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly in one instruction a pair (bf16: three)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, block_n, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
-    grid = (triton.cdiv(rows, _BLOCK_M), S, B)
+    grid = (triton.cdiv(rows, _BLOCK_M), S * B)
     # one split, whole 64-row tiles per sequence and the output in the MMAs' dtype (staged in the
     # query's shared memory): the output goes out by TMA; else (float32 partials, fp16 MMAs for a
     # bf16 output) by stores from registers. o_desc is a stand-in when unused
@@ -845,19 +897,19 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
               if tma_out else kv_desc)
     _seesaw_kernel[grid](
-        q, kv_desc, pe_desc, sc_desc, o_desc, block_table, cache_seqlens, o_part, l_part,
+        q, kv_desc, pe_desc, sc_desc, o_desc, block_table, cache_seqlens, o_part, l_part, info,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        H, s_q, B, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
         CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
-        P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out,
+        P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
         # 3 warpgroups x 128 threads x 168 = the 64K register file: 240 each for WG0 and WG1, 24 for the loader
         num_warps=4, maxnreg=168, **pdl_launch(rows),
     )
     if S > 1:
-        combine(o_part, l_part, out, lse)
+        combine(o_part, l_part, out, lse, info)
     return out, lse
 
 

@@ -38,8 +38,9 @@ in fp16, which a warp can do alone because its A-fragment rows are one value gro
 stage just before its MMA (held in registers through the softmax, with the scales, they
 spilled), so the stage goes back to the loader after the fourth step, not before the softmax.
 
-Grid (splits x row groups, B). Partitions: two warpgroups that take alternate 64-key tiles, each
-with its own online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles
+Grid (splits x B x row groups), shared out over the sequences by length
+(``decode_gluon._planned_split``). Partitions: two warpgroups that take alternate 64-key
+tiles, each with its own online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles
 (``_loader``, one mbarrier per tile; with FP8 rows the prologue copies the first, before the
 query split). A warpgroup hands its stage back to the loader once S^T is done and the value
 bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
@@ -67,8 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import kv_fmt
 from .decode import combine
 from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _first_block, _loader, _merge_buffers,
-                           _merge_weights, _query_chunks, _ring_barriers, _send_state, _split_tiles, _zero_tail,
-                           default_splits, launch_dependents, pdl_launch, split_results, supports,
+                           _merge_weights, _plan_and_query, _ring_barriers, _send_state, _zero_tail, block_b,
+                           default_splits, launch_dependents, pdl_launch, planned_results, supports,
                            thread_major, wait_prerequisites)
 from .decode_gluon_narrow import _acc_layout
 
@@ -393,32 +394,30 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
 
 @gluon.jit
 def _fp8_kernel(
-    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
+    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, TILE: gl.constexpr, ROW_GROUPS: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr,
-    QPE_SM: gl.constexpr, num_warps: gl.constexpr,
+    QPE_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
     """TILE: tile rows (``mla.quant``: 512 e4m3 values, 4 float32 scales, 64 bf16 k_pe; pe_desc
     and sc_desc over the last two); else FP8 rows of 576 e4m3 values (pe_desc, sc_desc unused)."""
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
-    # program (split pid_s, row group g) at pid_s ROW_GROUPS + g: a split's row groups run side
-    # by side, so that the second reads its keys from L2
+    # program (the plan's program p, ``_planned_split``; row group g) at p ROW_GROUPS + g: the
+    # row groups of a split run side by side, so that the second reads its keys from L2
     if ROW_GROUPS == 1:
-        pid_s = gl.program_id(0)
+        p = gl.program_id(0)
         r0 = 0
     else:
-        pid_s = gl.program_id(0) // ROW_GROUPS
+        p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
-    b = gl.program_id(1)
-    # the loads first (the length, the query), the set-up under them, then the first tile's block
-    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)
+    # the loads first (the lengths, the query), the set-up under them, then the first tile's block
+    b, seqlen, start, end, n_tiles, xq = _plan_and_query(SEQLENS, INFO, B, p, num_splits, BLOCK_B, Q, stride_qb, H,
+                                                         S_Q, stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
@@ -450,9 +449,9 @@ def _fp8_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    # split pid_s writes partial slot pid_s (the output itself when there is one split)
-    o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    # program p writes partial slot p (the output itself when there is one split)
+    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (q8, qpe, Q, b.to(gl.int64) * stride_qb, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free,
             xbar, xml, O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
             qk_scale, v_scale)
@@ -497,23 +496,23 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     if num_splits is None:      # each row group as a sequence of its own
         num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part = split_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
-    _fp8_kernel[(S * groups, B)](
-        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
+    _fp8_kernel[(S * B * groups,)](
+        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
-        CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups,
+        H, s_q, B, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups, BLOCK_B=block_b(B),
         P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
         Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
         QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
         num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
     if S > 1:
-        combine(o_part, l_part, out, lse)
+        combine(o_part, l_part, out, lse, info)
     return out, lse

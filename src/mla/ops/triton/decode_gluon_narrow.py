@@ -13,8 +13,9 @@ computes, for a 64-key tile,
 with R = 16 or 32 query rows, a quarter or half of the padded work. The softmax runs down the
 columns of S^T (per query row, across the keys of the tile).
 
-Grid (splits, B). Partitions: two warpgroups that take alternate tiles, each with its own
-online softmax and its own O^T, and a 1-warp TMA loader:
+Grid (splits x B), shared out over the sequences by length (``decode_gluon._planned_split``).
+Partitions: two warpgroups that take alternate tiles, each with its own online softmax and its
+own O^T, and a 1-warp TMA loader:
     bf16/fp16 rows: a ring of two 64-key tiles, one per warpgroup, 9 boxes per tile;
     FP8 rows:       a staging ring of 32-key FP8 tiles that each warpgroup widens into its own
                     64-key tile (``decode_gluon._widen``) before its S^T.
@@ -40,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .decode import combine
 from . import kv_fmt
 from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
-                           _query_chunks, _ring_barriers, _send_state, _split_tiles, _widen, _zero_tail, default_splits,
-                           launch_dependents, pdl_launch, split_results, supports, thread_major,
+                           _plan_and_query, _ring_barriers, _send_state, _widen, _zero_tail, block_b, default_splits,
+                           launch_dependents, pdl_launch, planned_results, supports, thread_major,
                            wait_prerequisites)
 
 __all__ = ["launch_narrow", "narrow_rows"]
@@ -142,28 +143,26 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
 
 @gluon.jit
 def _narrow_kernel(
-    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE,
+    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
     R: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, NST: gl.constexpr, dtype: gl.constexpr,
-    SM_L: gl.constexpr, P_SM: gl.constexpr, num_warps: gl.constexpr,
+    SM_L: gl.constexpr, P_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
-    pid_s = gl.program_id(0)
-    b = gl.program_id(1)
+    p = gl.program_id(0)           # the plan's program (``_planned_split``)
     q_smem = gl.allocate_shared_memory(dtype, [R, 512], SM_L)
     qpe_smem = gl.allocate_shared_memory(dtype, [R, 64], SM_L)
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SM_L)      # one 64-key tile per warpgroup
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
-    # the loads first (the length, the query, the first tile's block), then the set-up under them
-    seqlen, start, end, n_tiles = _split_tiles(SEQLENS, b, pid_s, num_splits, 64)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, 0, R, QL)
+    # the loads first (the lengths, the query, the first tile's block), then the set-up under them
+    b, seqlen, start, end, n_tiles, xq = _plan_and_query(SEQLENS, INFO, B, p, num_splits, BLOCK_B, Q, stride_qb, H,
+                                                         S_Q, stride_qi, stride_qh, 0, R)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
@@ -196,9 +195,9 @@ def _narrow_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    # split pid_s writes partial slot pid_s (the output itself when there is one split)
-    o_base = pid_s.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = pid_s.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    # program p writes partial slot p (the output itself when there is one split)
+    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml, O, LSE, o_base, l_base,
             seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
     gl.warp_specialize([
@@ -237,24 +236,24 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part = split_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     # FP8 staging stages of 32 keys: as many as fit in 227 KB next to Q, two 64-key tiles and P^T
     nst = 3 if (fmt == 1 and R == 16) else 2
-    _narrow_kernel[(S, B)](
-        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part,
+    _narrow_kernel[(S * B,)](
+        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
+        H, s_q, B, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
         R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
         SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
-        P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt),
+        P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
         num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
     )
     if S > 1:
-        combine(o_part, l_part, out, lse)
+        combine(o_part, l_part, out, lse, info)
     return out, lse
