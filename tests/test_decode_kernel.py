@@ -305,9 +305,9 @@ def test_combine_rejects_strided_rows():
 
 
 def test_gluon_split_rule_on_132_sms(monkeypatch):
-    # host-only: about sqrt(b L / (c B rows)) splits per sequence, each a whole number of 64-key
-    # tiles, within one wave of one-per-SM programs (the counts measured best on the H200, or
-    # the effective counts of the caps: 66 splits of 16k keys run as 64 of 256)
+    # host-only: about sqrt(b L / (c B rows)) splits per sequence, a count that gives each split
+    # of the longest sequence a whole number of 64-key tiles, within one wave of one-per-SM
+    # programs (the counts measured best on the H200, or what the caps leave of them)
     from mla.ops.triton import decode_gluon as dg
 
     monkeypatch.setattr(dg, "_num_sms", lambda index: 132)
