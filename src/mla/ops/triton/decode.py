@@ -198,7 +198,7 @@ def _combine_kernel(
     b = tl.program_id(1)
     l_seq = LSE_PART + b.to(tl.int64) * stride_lb
     p_seq = O_PART + b.to(tl.int64) * stride_pb
-    if PLANNED:     # sequence b's partials: slots INFO[b, 0] .. + INFO[b, 1] - 1 (decode_gluon.planned_results)
+    if PLANNED:     # sequence b's partials: slots INFO[b, 0] .. + INFO[b, 1] - 1 (planned_results)
         s_first = tl.load(INFO + 2 * b).to(tl.int64)
         num_splits = tl.load(INFO + 2 * b + 1)
         l_seq += s_first * stride_ls
@@ -325,10 +325,10 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
 def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int):
     """Where the split kernels write (the plan, ``_planned_split`` here and in ``decode_gluon``:
     P = num_splits * B programs, program p into slot p), as [P, B, ...] views that a kernel
-    addresses at (p, b): out and lse themselves
-    when there is one split (slot strides 0: program p is sequence p), else float32 partials of
-    P slots (sequence strides 0), with info [B, 2] int32, each sequence's (first slot, slot
-    count), for ``decode.combine``. Returns (o_part, l_part, info)."""
+    addresses at (p, b): out and lse themselves when there is one split (slot strides 0:
+    program p is sequence p), else float32 partials of P slots (sequence strides 0). info
+    [B, 2] int32: each sequence's (first slot, slot count), written by the kernel for
+    ``combine``. Returns (o_part, l_part, info)."""
     B = out.shape[0]
     P = num_splits * B
     info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
@@ -359,9 +359,9 @@ def combine_tiles(num_splits: int, rows: int, dv: int) -> tuple[int, int, int]:
 
 def combine(o_part, l_part, out, lse, info=None):
     """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32), l_part [S, B, s_q, H]
-    into out [B, s_q, H, dv] and lse [B, s_q, H]. info (the Gluon kernels' plan,
-    ``decode_gluon.planned_results``): [B, 2] int32, sequence b's partials are slots info[b, 0]
-    .. + info[b, 1] - 1 of S = num_splits * B."""
+    into out [B, s_q, H, dv] and lse [B, s_q, H]. info (the split kernels' plan,
+    ``planned_results``): [B, 2] int32, sequence b's partials are slots info[b, 0] .. +
+    info[b, 1] - 1 of S = num_splits * B."""
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")

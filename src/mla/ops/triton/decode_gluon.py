@@ -468,7 +468,7 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
     seqlen = gl.sum(gl.where(mine, lens, 0), axis=0)
     c = gl.sum(gl.where(mine, chunks, 0), axis=0)
     k = p - first
-    start = ((k * c) // count).to(gl.int32) * 64        # (times 64 last: the compiler sees a multiple of 64)
+    start = ((k * c) // count).to(gl.int32) * 64
     end = gl.minimum(((k + 1) * c // count).to(gl.int32) * 64, seqlen)
     gl.store(INFO + 2 * b, first.to(gl.int32), mask=k == 0)
     gl.store(INFO + 2 * b + 1, count.to(gl.int32), mask=k == 0)
