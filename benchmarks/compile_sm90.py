@@ -2,7 +2,7 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,fp8tile,seesaw,narrow}
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,fp8tile,seesaw,narrow} [--block-b 32]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from triton.experimental import gluon  # noqa: F401  (registers the Gluon fronte
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
+BLOCK_B = 32      # the split plan's vector width (a batch of 17-32 sequences); --block-b
 KEEP = ("LDS", "STS", "LDSM", "STSM", "SHFL", "PRMT", "F2FP", "HGMMA", "QGMMA", "LDL", "STL", "BAR", "SEL", "I2F", "F2F")
 
 
@@ -77,7 +78,7 @@ def fp8_kernel(m=None, tile: bool = False):
            **{k: "i32" for k in _INTS}, "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
     cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
-          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "BLOCK_B": 32, "num_warps": 4}
+          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "BLOCK_B": BLOCK_B, "num_warps": 4}
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
@@ -97,7 +98,7 @@ def seesaw_kernel(m=None):
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"})
     cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": False,
-          "BLOCK_B": 32, "num_warps": 4}
+          "BLOCK_B": BLOCK_B, "num_warps": 4}
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
@@ -108,14 +109,16 @@ def narrow_kernel(m=None):
         from mla.ops.triton import decode_gluon_narrow as m
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
-          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": 32, "num_warps": 4}
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": BLOCK_B, "num_warps": 4}
     return compile_gluon(m._narrow_kernel, _bf16_sig({}), cx, _ALIGNED, maxnreg=168)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow"])
+    p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
     a = p.parse_args()
+    globals()["BLOCK_B"] = a.block_b
     k = {"fp8": fp8_kernel, "fp8tile": lambda: fp8_kernel(tile=True), "seesaw": seesaw_kernel,
          "narrow": narrow_kernel}[a.kernel]()
     usage, ops = sass_counts(k)

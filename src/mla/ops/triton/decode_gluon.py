@@ -438,6 +438,13 @@ def _add(a, b):
     return a + b
 
 
+@gluon.constexpr_function
+def _plan_layout(BLOCK_B):
+    """The plan's [BLOCK_B] vectors whole in every warp (the 4 warps hold copies), so that its
+    sums and prefix sum stay within a warp: shuffles, no shared memory or barrier."""
+    return gl.BlockedLayout([max(1, BLOCK_B // 32)], [32], [4], [0])
+
+
 @gluon.jit
 def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: gl.constexpr):
     """Program p's share of the batch's keys, by length (the launch has P = num_splits * B
@@ -451,8 +458,7 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
     to slot p; INFO[b] = (first, count), b's slots, for ``decode.combine`` (written by b's
     first program). Every program computes the plan from the B lengths (BLOCK_B >= B): no host
     sync. Returns (b, seqlen, start, end, n_tiles)."""
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    i = gl.arange(0, BLOCK_B, layout=L)
+    i = gl.arange(0, BLOCK_B, layout=_plan_layout(BLOCK_B))
     lens = gl.load(SEQLENS + i, mask=i < B, other=0)
     chunks = ((lens + 63) // 64).to(gl.int64)
     total = gl.maximum(gl.sum(chunks, axis=0), 1)
