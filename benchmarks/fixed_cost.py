@@ -37,7 +37,7 @@ _CARVEOUT_ATTR = 9     # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
 def narrow_source(mode: str) -> str:
     src = absolute_imports((KERNELS / "decode_gluon_narrow.py").read_text())
-    src = edit(src, "S_Q, stride_qi, stride_qh, 0, R)\n", "S_Q, stride_qi, stride_qh, 0, R)\n"
+    src = edit(src, "stride_qi, stride_qh, 0, R)\n", "stride_qi, stride_qh, 0, R)\n"
                "    n_tiles = gl.minimum(end - start, 0)\n")
     if mode == "no_tiles_store":
         src = edit(src, "mask=(r < H * S_Q)[None, :] & (d < 512)[:, None]", "mask=(r < 0)[None, :] & (d < 512)[:, None]")

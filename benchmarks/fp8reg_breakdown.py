@@ -64,7 +64,7 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 
 MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline",
          "timeline_prologue", "timeline_arrival")
-SPLIT = "S_Q, stride_qi, stride_qh, r0, _R)\n"      # the end of the plan's call
+SPLIT = "stride_qi, stride_qh, r0, _R)\n"      # the end of the plan's call
 
 STAMP = '''
 TIMES = {}
@@ -89,7 +89,8 @@ def _stamp(TL, prog, k: gl.constexpr):
 @gluon.jit
 def _fp8_kernel('''
 # the stamps' columns, in program order (column 7 is the SM); the third is taken where the kernel
-# computes bt_row: after its tile split until 2774521, after the ring's barrier inits since be4e32a.
+# computed bt_row: after its tile split until 2774521, after the ring's barrier inits since be4e32a
+# (the same place since the plan computes bt_row, _plan_and_block).
 # One program a split: 16 query rows at most (two row groups would share a row of stamps)
 STAMPS = ("entry", "waited", "bt_row", "query split", "first tile", "last tile", "end")
 PROG = "gl.program_id(0)"
@@ -100,7 +101,8 @@ TIMELINE = [
     ("    gl.static_assert(num_warps == 4)\n    wait_prerequisites()\n",
      f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n    wait_prerequisites()\n"
      f"    _stamp(TL, {PROG}, 0)\n"),
-    ("    bt_row = b.to(gl.int64) * stride_bt\n", "    bt_row = b.to(gl.int64) * stride_bt\n    _stamp(TL, p, 2)\n"),
+    ("    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n",
+     "    _stamp(TL, p, 2)\n    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n"),
     ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, p, 3)\n"),
     ("            qk_scale, v_scale)\n    gl.warp_specialize",
      "            qk_scale, v_scale, TL, p)\n    gl.warp_specialize"),

@@ -133,21 +133,42 @@ def test_cpu_plan_shares_programs_by_length(splits, monkeypatch):
     programs in order, every sequence has one, and the long sequence gets the most; the output
     matches the oracle, with the long sequence's extra programs partly empty."""
     lens = [300, 5, 0, 1, 17, 64]
+    info = plan_info(lens, splits, monkeypatch)
+    if splits > 1:
+        first, count = info.long().unbind(1)
+        assert (count >= 1).all() and first[0] == 0 and torch.equal(first[1:], (first + count)[:-1])
+        assert (first + count)[-1] == splits * len(lens)
+        assert count.argmax() == 0 and count[0] > splits
+
+
+@pytest.mark.parametrize("lens", [[77] * 5, [0] * 3], ids=["equal", "empty"])
+def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
+    """Equal lengths (the plan's short path) and no keys at all: num_splits programs a sequence,
+    in order, and the output matches the oracle."""
+    first, count = plan_info(lens, 3, monkeypatch).long().unbind(1)
+    assert torch.equal(first, torch.arange(len(lens)) * 3) and (count == 3).all()
+
+
+def plan_info(lens, splits, monkeypatch):
+    """``check`` on lens at a fixed split count; returns the plan's info [B, 2] (first, count)."""
     seen = {}
     planned = decode.planned_results
 
-    def spy(out, lse, num_splits):
-        o, l_, info = planned(out, lse, num_splits)
+    def spy(out, lse, num_splits, max_len):
+        o, l_, info = planned(out, lse, num_splits, max_len)
         seen["info"] = info
         return o, l_, info
     monkeypatch.setattr(decode, "planned_results", spy)
     cfg = decode.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits)
     check(lens, 2, 3, dv=64, dr=16, block_size=16, dtype=torch.float32, device="cpu", seed=splits, cfg=cfg)
-    if splits > 1:
-        first, count = seen["info"].long().unbind(1)
-        assert (count >= 1).all() and first[0] == 0 and torch.equal(first[1:], (first + count)[:-1])
-        assert (first + count)[-1] == splits * len(lens)
-        assert count.argmax() == 0 and count[0] > splits
+    return seen["info"]
+
+
+def test_plan_range_is_checked():
+    out, lse = torch.empty(4, 1, 2, 8), torch.empty(4, 1, 2)
+    decode.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16)
+    with pytest.raises(ValueError, match="block_table"):
+        decode.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16 + 1)
 
 
 def test_cpu_odd_dims():

@@ -54,31 +54,47 @@ class DecodeConfig:
 def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p's share of the batch's keys, by length, in whole BN-key chunks: the plan of
     ``decode_gluon._planned_split`` (which the Hopper kernels use with 64-key chunks; the same
-    rule, written twice because Gluon and Triton kernels cannot call each other's functions).
-    P = num_splits * B programs; sequence b gets one plus a share of the other P - B by its
-    chunks (rounded down, the remainder one each to the first sequences), and program p the
-    k-th of b's runs of chunks. INFO[b] = (first program, count), for ``combine``. Returns
-    (b, seqlen, start, end)."""
+    rule and the same steps, written twice because Gluon and Triton kernels cannot call each
+    other's functions). P = num_splits * B programs; sequence b gets one plus a share of the
+    other P - B by its chunks (rounded down, the remainder one each to the first sequences), and
+    program p the k-th of b's runs of chunks; equal lengths take the fixed split's arithmetic.
+    INFO[b] = (first program, count), for ``combine``. Returns (b, seqlen, start, end)."""
     i = tl.arange(0, BLOCK_B)
-    lens = tl.load(SEQLENS + i, mask=i < B, other=0)
-    chunks = ((lens + BN - 1) // BN).to(tl.int64)
-    total = tl.maximum(tl.sum(chunks, 0), 1)
-    P = num_splits * B
-    n = tl.where(i < B, 1 + ((P - B) * chunks) // total, 0)
-    left = P - tl.sum(n, 0)                            # 0 <= left < B: what the rounding left
-    n = n + tl.where(i < B, left // B + (i < left % B).to(tl.int64), 0)
-    last = tl.cumsum(n, 0)                             # one past each sequence's last program
-    b = tl.sum((last <= p).to(tl.int32), 0)
-    mine = i == b
-    count = tl.sum(tl.where(mine, n, 0), 0)
-    first = tl.sum(tl.where(mine, last, 0), 0) - count
-    seqlen = tl.sum(tl.where(mine, lens, 0), 0)
-    c = tl.sum(tl.where(mine, chunks, 0), 0)
-    k = p - first
-    start = ((k * c) // count).to(tl.int32) * BN
-    end = tl.minimum(((k + 1) * c // count).to(tl.int32) * BN, seqlen)
-    tl.store(INFO + 2 * b, first.to(tl.int32), mask=k == 0)
-    tl.store(INFO + 2 * b + 1, count.to(tl.int32), mask=k == 0)
+    ok = i < B
+    lens = tl.load(SEQLENS + i, mask=ok, other=0)
+    if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
+        # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
+        b = p // num_splits
+        k = p % num_splits
+        seqlen = tl.max(lens, 0)
+        c = (seqlen + BN - 1) // BN
+        start = k * c // num_splits * BN
+        end = tl.minimum((k + 1) * c // num_splits * BN, seqlen)
+        tl.store(INFO + 2 * b, p, mask=k == 0)
+        tl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+    else:
+        chunks = ((lens + BN - 1) // BN).to(tl.int64)
+        total = tl.sum(chunks, 0)
+        P = num_splits * B
+        n = tl.where(ok, (P - B) * chunks // tl.maximum(total, 1), 0)
+        below = tl.cumsum(n, 0)
+        left = P - B - tl.sum(n, 0)                    # 0 <= left < B: what the rounding left
+        none = total == 0                              # no keys at all: num_splits each
+        count = 1 + n + tl.where(none, num_splits - 1, (i < left).to(tl.int64))
+        j = i.to(tl.int64)
+        last = j + 1 + below + tl.where(none, (num_splits - 1) * (j + 1), tl.minimum(j + 1, left))
+        first = last - count
+        mine = ok & (first <= p) & (p < last)
+        b = tl.sum(tl.where(mine, i, 0), 0)
+        seqlen = tl.sum(tl.where(mine, lens, 0), 0)
+        f = tl.sum(tl.where(mine, first, 0), 0)
+        m = tl.sum(tl.where(mine, count, 0), 0)
+        cb = tl.sum(tl.where(mine, chunks, 0), 0)
+        kb = p - f
+        start = (kb * cb // m).to(tl.int32) * BN
+        end = tl.minimum(((kb + 1) * cb // m).to(tl.int32) * BN, seqlen)
+        tl.store(INFO + 2 * b, f.to(tl.int32), mask=kb == 0)
+        tl.store(INFO + 2 * b + 1, m.to(tl.int32), mask=kb == 0)
     return b, seqlen, start, end
 
 
@@ -97,8 +113,6 @@ def _decode_split_kernel(
 ):
     pid_m = tl.program_id(0)
     prog = tl.program_id(1)
-    b, seqlen, start, end = _planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
-
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m < H * S_Q
     qi = m // H
@@ -108,9 +122,18 @@ def _decode_split_kernel(
     dv_ok = dv < DV
     dr_ok = dr < DR
 
-    q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qi + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+    # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
+    # the lengths are equal), so that they land under its arithmetic; again where it differs
+    guess = prog // num_splits
+    q_row = Q + qi * stride_qi + h * stride_qh
+    q_mask = row_ok[:, None] & dv_ok[None, :]
+    pe_mask = row_ok[:, None] & dr_ok[None, :]
+    q_nope = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)
+    q_pe = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + DV + dr[None, :], mask=pe_mask, other=0.0)
+    b, seqlen, start, end = _planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
+    if b != guess:      # mixed lengths
+        q_nope = tl.load(q_row[:, None] + b.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)
+        q_pe = tl.load(q_row[:, None] + b.to(tl.int64) * stride_qb + DV + dr[None, :], mask=pe_mask, other=0.0)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
@@ -176,6 +199,23 @@ def _decode_split_kernel(
 
 
 @jit
+def _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls, stride_ps,
+                  BLOCK_S: tl.constexpr):
+    """One round of ``_combine_kernel``: splits s0 .. s0 + BLOCK_S - 1 (those below num_splits)
+    of l_rows / p_rows ([R] pointers to split 0's rows) into the running (m, total, acc)."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    ok = (s < num_splits)[:, None] & r_ok[None, :]
+    ls = tl.load(l_rows[None, :] + s[:, None] * stride_ls, mask=ok, other=float("-inf"))
+    o = tl.load(p_rows[None, :, None] + s[:, None, None] * stride_ps + d[None, None, :],
+                mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+    m_new = tl.maximum(m, tl.max(ls, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)                          # 0 while nothing was seen
+    w = tl.exp(ls - m_safe[None, :])                    # empty split (-inf): weight 0
+    return m_new, total * alpha + tl.sum(w, 0), acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+
+
+@jit
 def _combine_kernel(
     O_PART, LSE_PART, OUT, LSE, INFO,
     stride_ps, stride_pb, stride_pi, stride_ph,
@@ -196,40 +236,43 @@ def _combine_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(1)
-    l_seq = LSE_PART + b.to(tl.int64) * stride_lb
-    p_seq = O_PART + b.to(tl.int64) * stride_pb
-    if PLANNED:     # sequence b's partials: slots INFO[b, 0] .. + INFO[b, 1] - 1 (planned_results)
-        s_first = tl.load(INFO + 2 * b).to(tl.int64)
-        num_splits = tl.load(INFO + 2 * b + 1)
-        l_seq += s_first * stride_ls
-        p_seq += s_first * stride_ps
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     qi = r // H
     h = r % H
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < DV
-    s_off = tl.arange(0, BLOCK_S)
-    l_rows = l_seq + qi * stride_li + h                     # [R]
-    p_rows = p_seq + qi * stride_pi + h * stride_ph         # [R]
+    l_rows = LSE_PART + b.to(tl.int64) * stride_lb + qi * stride_li + h                     # [R]
+    p_rows = O_PART + b.to(tl.int64) * stride_pb + qi * stride_pi + h * stride_ph          # [R]
 
     # one pass, the running maximum rescaling what is summed so far (one round of loads when
     # all the splits fit in BLOCK_S, the usual case)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     total = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_R, BLOCK_D], 0.0, dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ok = (s0 + s_off < num_splits)[:, None] & r_ok[None, :]
-        ls = tl.load(l_rows[None, :] + (s0 + s_off)[:, None] * stride_ls, mask=ok, other=float("-inf"))
-        o = tl.load(p_rows[None, :, None] + (s0 + s_off)[:, None, None] * stride_ps + d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(ls, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)                          # 0 while nothing was seen
-        w = tl.exp(ls - m_safe[None, :])                    # empty split (-inf): weight 0
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
-        m = m_new
+    s_begin = 0
+    if PLANNED:
+        # sequence b's partials: slots INFO[b, 0] .. + INFO[b, 1] - 1 (planned_results). The
+        # first round's loads go out with INFO's, for the slots of equal lengths (num_splits a
+        # sequence here, b's from b num_splits), and are summed again from the slots INFO gives
+        # where those differ
+        s_first = tl.load(INFO + 2 * b).to(tl.int64)
+        count = tl.load(INFO + 2 * b + 1)
+        guess = b.to(tl.int64) * num_splits
+        m, total, acc = _combine_step(m, total, acc, l_rows + guess * stride_ls, p_rows + guess * stride_ps, 0,
+                                      num_splits, r_ok, d, d_ok, stride_ls, stride_ps, BLOCK_S)
+        s_begin = BLOCK_S
+        if (s_first != guess) | (count != num_splits):     # mixed lengths
+            m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+            total = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
+            acc = tl.full([BLOCK_R, BLOCK_D], 0.0, dtype=tl.float32)
+            s_begin = 0
+        l_rows += s_first * stride_ls
+        p_rows += s_first * stride_ps
+        num_splits = count
+    for s0 in range(s_begin, num_splits, BLOCK_S):
+        m, total, acc = _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls,
+                                      stride_ps, BLOCK_S)
     lmax = tl.where(m == float("-inf"), 0.0, m)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     o_rows = OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
@@ -299,7 +342,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     if B == 0 or s_q == 0 or H == 0:
         return out, lse
     S = cfg.num_splits
-    o_part, l_part, info = planned_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * kv_cache.shape[1])
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
     grid = (triton.cdiv(H * s_q, cfg.block_m), S * B)
@@ -322,15 +365,19 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     return out, lse
 
 
-def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int):
+def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_len: int):
     """Where the split kernels write (the plan, ``_planned_split`` here and in ``decode_gluon``:
     P = num_splits * B programs, program p into slot p), as [P, B, ...] views that a kernel
     addresses at (p, b): out and lse themselves when there is one split (slot strides 0:
     program p is sequence p), else float32 partials of P slots (sequence strides 0). info
     [B, 2] int32: each sequence's (first slot, slot count), written by the kernel for
-    ``combine``. Returns (o_part, l_part, info)."""
+    ``combine``. max_len: the block table's capacity (the plan of equal lengths splits it in int32).
+    Returns (o_part, l_part, info)."""
     B = out.shape[0]
     P = num_splits * B
+    if num_splits * -(-max_len // 16) >= 2 ** 31:
+        raise ValueError(f"block_table: {max_len} keys a sequence in {num_splits} splits is past the split plan's "
+                         f"int32 arithmetic (splits x keys / 16 < 2^31)")
     info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
     if num_splits == 1:
         return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info
@@ -365,7 +412,8 @@ def combine(o_part, l_part, out, lse, info=None):
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")
-    bs, br, bd = combine_tiles(S if info is None else S // B, H * s_q, dv)
+    per = S if info is None else S // B     # with info: the slots a sequence of equal lengths has
+    bs, br, bd = combine_tiles(per, H * s_q, dv)
     pdl = PDL and out.is_cuda and _sm_major(out.device.index or 0) >= 9
     _combine_kernel[(triton.cdiv(H * s_q, br), B, triton.cdiv(dv, bd))](
         o_part, l_part, out, lse, l_part if info is None else info,
@@ -373,7 +421,7 @@ def combine(o_part, l_part, out, lse, info=None):
         l_part.stride(0), l_part.stride(1), l_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        H * s_q, H, dv, S,
+        H * s_q, H, dv, per,
         BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )

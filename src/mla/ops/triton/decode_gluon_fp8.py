@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import kv_fmt
 from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _first_block, _loader, _merge_buffers,
+from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _loader, _merge_buffers,
                            _merge_weights, _plan_and_query, _ring_barriers, _send_state, _zero_tail, block_b,
                            default_splits, launch_dependents, pdl_launch, planned_results, supports,
                            thread_major, wait_prerequisites)
@@ -416,8 +416,9 @@ def _fp8_kernel(
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the lengths, the query), the set-up under them, then the first tile's block
-    b, seqlen, start, end, n_tiles, xq = _plan_and_query(SEQLENS, INFO, B, p, num_splits, BLOCK_B, Q, stride_qb, H,
-                                                         S_Q, stride_qi, stride_qh, r0, _R)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+                                                                       num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+                                                                       stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
@@ -430,9 +431,6 @@ def _fp8_kernel(
         sc8 = pe8      # not used
         qpe = p_smem   # not used
     ready, free = _ring_barriers(_NST, 1)
-    # here, once the length is in (placed later, the load sinks past the query split's arithmetic)
-    bt_row = b.to(gl.int64) * stride_bt
-    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
     xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     # FP8 rows: the first tile goes out now, so that the memory works under the query split. Each
     # copy into the ring's one allocation costs the prologue a thread barrier: measured, copying 2
@@ -496,7 +494,7 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     if num_splits is None:      # each row group as a sequence of its own
         num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part, info = planned_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)

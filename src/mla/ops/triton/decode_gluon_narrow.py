@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _first_block, _loader, _merge_buffers, _merge_weights,
+from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
                            _plan_and_query, _ring_barriers, _send_state, _widen, _zero_tail, block_b, default_splits,
                            launch_dependents, pdl_launch, planned_results, supports, thread_major,
                            wait_prerequisites)
@@ -161,10 +161,9 @@ def _narrow_kernel(
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
     # the loads first (the lengths, the query, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, xq = _plan_and_query(SEQLENS, INFO, B, p, num_splits, BLOCK_B, Q, stride_qb, H,
-                                                         S_Q, stride_qi, stride_qh, 0, R)
-    bt_row = b.to(gl.int64) * stride_bt
-    blk0 = _first_block(BT, bt_row, start, n_tiles, block_size)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+                                                                       num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+                                                                       stride_qi, stride_qh, 0, R)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -236,7 +235,7 @@ def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if num_splits is None:
         num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part, info = planned_results(out, lse, S)
+    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
