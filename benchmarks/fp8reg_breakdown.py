@@ -18,7 +18,10 @@ alone, finer: stamps once the plan is made and the query has landed, after the b
 the query split, and at the first tile); timeline_arrival (the end of a program, for a merge of the
 splits in the kernel: the last tile, the partial stored, a fence and a release arrival on a
 counter per sequence, and the wait until all the sequence's splits have arrived; only where all
-programs fit on the SMs at once, e.g. B 32 x 4k or 16k at 4 splits).
+programs fit on the SMs at once, e.g. B 32 x 4k or 16k at 4 splits); no_plan (the split of
+equal lengths from the program's own length, as before the split plan: what the plan costs the
+step; right for equal lengths only); split_first (the query split for sequence p // S before the
+plan, done again where the plan differs).
 --split-factors also times the shipped kernel at other split counts (the default's times each
 factor). --profile also prints each kernel's mean device time (CUDA profiler, eager launches)
 for every variant, which tells the time inside the kernels from the gaps between them.
@@ -63,7 +66,41 @@ SOFTMAX = '''        m_new = gl.maximum(m_i, gl.max(s, axis=0))
 
 
 MODES = ("shipped", "no_loads", "no_softmax", "no_pv", "no_combine", "no_tiles", "no_tiles_store", "timeline",
-         "timeline_prologue", "timeline_arrival")
+         "timeline_prologue", "timeline_arrival", "no_plan", "split_first")
+
+PLAN_CALL = """    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+                                                                       num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+                                                                       stride_qi, stride_qh, r0, _R)
+"""
+# no_plan: the split of equal lengths straight from the program's length, no plan (what the kernel
+# did before 4c8834e; right for equal lengths only, which is what this script times)
+FIXED_SPLIT = """    b = p // num_splits
+    k = p % num_splits
+    xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R,
+                       gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+    seqlen = gl.load(SEQLENS + b)
+    c = (seqlen + 63) // 64
+    start = k * c // num_splits * 64
+    end = gl.minimum((k + 1) * c // num_splits * 64, seqlen)
+    n_tiles = gl.maximum(end - start + 63, 0) // 64
+    gl.store(INFO + 2 * b, p, mask=k == 0)
+    gl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+    bt_row = b.to(gl.int64) * stride_bt
+    blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
+"""
+# split_first: the query split of sequence p // S (the plan's at equal lengths) goes before the
+# plan, under its loads; done again where the plan gives another sequence
+SPLIT_FIRST = """    guess = p // num_splits
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)
+    _store_q8(xq, q8, qpe, TILE)
+    b, seqlen, start, end, n_tiles, bt_row, blk0 = _plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+                                                                   num_splits, 64, BLOCK_B)
+    if b != guess:      # mixed lengths
+        gl.thread_barrier()
+        xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, _R, QL)
+        _store_q8(xq, q8, qpe, TILE)
+"""
 SPLIT = "stride_qi, stride_qh, r0, _R)\n"      # the end of the plan's call
 
 STAMP = '''
@@ -219,6 +256,15 @@ def variant_source(mode: str) -> str:
         for old, new in {"timeline": TIMELINE, "timeline_prologue": TIMELINE_PROLOGUE,
                          "timeline_arrival": TIMELINE_ARRIVAL}[mode]:
             src = edit(src, old, new)
+    elif mode in ("no_plan", "split_first"):
+        src = edit(src, "_plan_and_query, ", "_plan_and_query, _plan_and_block, _query_chunks, ")
+        if mode == "no_plan":
+            src = edit(src, PLAN_CALL, FIXED_SPLIT)
+        else:
+            src = edit(src, PLAN_CALL, "")
+            src = edit(src, "        qpe = p_smem   # not used\n", "        qpe = p_smem   # not used\n" + SPLIT_FIRST)
+            src = edit(src, "    _store_q8(xq, q8, qpe, TILE)\n    fence_async_shared()",
+                       "    fence_async_shared()")
     elif mode == "no_pv":
         start = src.index("        if TILE:\n            a_prev = _v_frag(_v_tile_step(")
         stop_text = "        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))\n"

@@ -415,7 +415,7 @@ def _fp8_kernel(
     else:
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
-    # the loads first (the lengths, the query), the set-up under them, then the first tile's block
+    # the loads first (the query, the lengths, the first tile's block), then the set-up under them
     b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
                                                                        num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
                                                                        stride_qi, stride_qh, r0, _R)
