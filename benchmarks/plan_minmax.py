@@ -34,16 +34,9 @@ from variants import KERNELS, absolute_imports, edit, load_module  # noqa: E402
 
 from mla import bench  # noqa: E402
 
-SHIPPED_MIXED = """        n = gl.where(ok, (P - B) * chunks // gl.maximum(total, 1), 0)
-        below = gl.associative_scan(n, 0, _add)            # these two side by side
-        left = P - B - gl.sum(n, axis=0)                   # 0 <= left < B: what the rounding left
-        # one more each to the first `left` sequences; with no keys at all, num_splits each
-        none = total == 0
-        count = 1 + n + gl.where(none, num_splits - 1, (i < left).to(gl.int64))
-        j = i.to(gl.int64)
-        last = j + 1 + below + gl.where(none, (num_splits - 1) * (j + 1), gl.minimum(j + 1, left))
-        first = last - count
-"""
+# the shipped mixed path's share of programs: from its first line through its last
+SHIPPED_FROM = "        n = gl.where(ok, (P - B) * chunks // gl.maximum(total, 1), 0)\n"
+SHIPPED_TO = "        first = last - count\n"
 MINMAX_MIXED = """        c32 = chunks.to(gl.int32)
         lo = gl.maximum((total.to(gl.int32) + P - 1) // P, 1)
         hi = gl.maximum(gl.max(c32, axis=0), lo)           # one program a sequence always fits
@@ -67,7 +60,9 @@ def variant_modules(workdir: str) -> dict:
     for name in ("shipped", "minmax"):
         src = absolute_imports((KERNELS / "decode_gluon.py").read_text())
         if name == "minmax":
-            src = edit(src, SHIPPED_MIXED, MINMAX_MIXED)
+            a = src.index(SHIPPED_FROM)
+            z = src.index(SHIPPED_TO, a) + len(SHIPPED_TO)
+            src = edit(src, src[a:z], MINMAX_MIXED)
         gmod = load_module(src, f"plan_{name}_gluon", workdir)
         sys.modules[gmod.__name__] = gmod
         nsrc = absolute_imports((KERNELS / "decode_gluon_narrow.py").read_text())
