@@ -2,7 +2,7 @@
 plan shares the work out by the actual lengths) in one process, by ``mla bench decode``'s
 method (CUDA graphs over cache copies rotated past the L2).
 
-    PYTHONPATH=src python3 benchmarks/varlen_decode.py [--heads 16 128] [--batch 32] [--max-len 16384]
+    PYTHONPATH=src python3 benchmarks/varlen_decode.py [--heads 16 128] [--batch 32] [--max-len 16384] [--profile]
 
 Each row is one length mix over a table of max-len keys a sequence: "equal" (all max-len, the
 grid's case), "uniform" (lengths uniform in [1, max-len]), "one long" (one sequence max-len, the
@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[32])
     p.add_argument("--max-len", type=int, nargs="+", default=[16384])
     p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
+    p.add_argument("--profile", action="store_true",
+                   help="also print each kernel's mean device time (CUDA profiler, eager launches) of both ops")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("varlen_decode: needs a CUDA GPU")
@@ -65,6 +67,13 @@ def main(argv=None) -> int:
                         print(f"{H:>4} {B:>4} {L:>6} {kv_format:>5} {name:>9} {keys:>8} {t_op:8.1f} {t_fa:8.1f} "
                               f"{t_op / t_fa:8.2f} {keys * bench.ROW_BYTES[kv_format] / t_op / 1e6:9.2f} {err:9.2e}",
                               flush=True)
+                        if args.profile:    # the split kernel against the combine, e.g. one long's many slots
+                            from fp8reg_breakdown import kernel_times
+                            for who, fn in (("mla", op), ("fa3", fa if make_fa is not None else None)):
+                                if fn is not None:
+                                    ks = kernel_times(lambda fn=fn, c=c: fn(c["kv"]))
+                                    print(f"      {who}: " + ", ".join(f"{k} {v:.1f}" for k, v in ks.items()),
+                                          flush=True)
     return 0
 
 
