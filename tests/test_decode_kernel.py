@@ -224,6 +224,33 @@ def test_cpu_combine_fp16_out_and_wide_rows():
     check_combine(4, 1, 1, 1, 512, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("counts", [[300, 300, 300], [500, 100, 300], [1, 898, 1]], ids=["equal", "mixed", "skewed"])
+def test_cpu_planned_combine(counts):
+    """The combine over the plan's slots (``planned_results``: P slots, sequence b's are info[b,
+    0] .. + info[b, 1] - 1): the first round goes out for the slots of equal lengths (300 a
+    sequence here, more than one round of 256), and is summed again where info says otherwise.
+    Against the float64 LSE merge of each sequence's own slots."""
+    B, s_q, H, dv = 3, 1, 2, 16
+    P = sum(counts)
+    g = torch.Generator().manual_seed(len(set(counts)))
+    o = torch.randn(P, s_q, H, dv, generator=g)
+    ls = torch.randn(P, s_q, H, generator=g) * 4
+    ls[torch.rand(P, s_q, H, generator=g) < 0.2] = float("-inf")
+    o[torch.isinf(ls)] = 0.0
+    first = torch.tensor([0, *counts[:-1]]).cumsum(0)
+    info = torch.stack([first, torch.tensor(counts)], 1).to(torch.int32)
+    out = torch.empty(B, s_q, H, dv)
+    lse = torch.empty(B, s_q, H)
+    decode.combine(o.unsqueeze(1).expand(P, B, s_q, H, dv), ls.unsqueeze(1).expand(P, B, s_q, H), out, lse, info)
+    for b in range(B):
+        sl = slice(int(first[b]), int(first[b]) + counts[b])
+        ref_lse = torch.logsumexp(ls[sl].double(), 0)
+        ref = (torch.exp(ls[sl].double() - ref_lse)[..., None] * o[sl].double()).sum(0)
+        n = counts[b]
+        assert ((out[b].double() - ref).abs() <= 2 * n * 2.0 ** -24 * o[sl].abs().max()).all()
+        assert ((lse[b].double() - ref_lse).abs() <= 2 * n * 2.0 ** -24 * ref_lse.abs().clamp_min(1.0)).all()
+
+
 # ---------------------------------------------------------------- GPU: real shapes
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
