@@ -459,8 +459,8 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
     first program). Every program computes the plan from the B lengths (BLOCK_B >= B): no host
     sync. The plan lies on the path to the first tile's copy: equal lengths (one round of
     reductions to find out) take the fixed split's arithmetic; otherwise each lane works out its
-    own sequence's slots and split, and one step of sums picks program p's (three rounds of
-    reductions, two of them side by side). The first version, a reduction for each quantity
+    own sequence's slots, and one round of sums picks program p's sequence and its numbers
+    (three rounds of reductions in all, two of them side by side). The first version, a reduction for each quantity
     and no short path, cost equal-length batches 0.6-1.1 us on the H200; one with the lanes'
     splits in parallel (int64 divisions a lane) 1.7-2.3 us at batch 128. Equal lengths in int32
     (``planned_results`` checks the range), the rest in int64. Returns (b, seqlen, start, end,
