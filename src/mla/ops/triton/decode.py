@@ -130,6 +130,7 @@ def _decode_split_kernel(
     pe_mask = row_ok[:, None] & dr_ok[None, :]
     q_nope = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)
     q_pe = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + DV + dr[None, :], mask=pe_mask, other=0.0)
+    tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
     b, seqlen, start, end = _planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
     if b != guess:      # mixed lengths
         q_nope = tl.load(q_row[:, None] + b.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)

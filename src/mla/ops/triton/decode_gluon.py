@@ -524,18 +524,14 @@ def _plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p, num_splits, 
                     BLOCK_B: gl.constexpr):
     """``_planned_split`` and the cache block of the split's first key (0 when it has no keys),
     which the prologue loads for ``_loader`` so that the first tile's copy does not wait on a
-    load of its own. That load goes out before the plan, for the split of equal lengths
-    (sequence p // num_splits, part p % num_splits), so that it lands under the plan's
-    arithmetic; where the plan gives another split it goes out again. Returns (b, seqlen, start,
-    end, n_tiles, bt_row, blk0)."""
-    guess = p // num_splits
-    len_g = gl.load(SEQLENS + guess)
-    start_g = ((p % num_splits) * ((len_g + 63) // 64) // num_splits) * 64
-    blk0 = gl.load(BT + guess.to(gl.int64) * stride_bt + start_g // block_size, mask=start_g < len_g, other=0)
+    load of its own. Returns (b, seqlen, start, end, n_tiles, bt_row, blk0).
+
+    Not loaded ahead for the split of equal lengths: that needs sequence p // num_splits's
+    length first, and ptxas then waited for it before it sent the lengths' own load (sm_90a
+    SASS), which put a second memory latency in front of the plan."""
     b, seqlen, start, end, n_tiles = _planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)
     bt_row = b.to(gl.int64) * stride_bt
-    if (b != guess) | (start != start_g):      # mixed lengths (same b and start: same seqlen)
-        blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
+    blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
     return b, seqlen, start, end, n_tiles, bt_row, blk0
 
 
@@ -582,6 +578,9 @@ def _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p, num_splits, 
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     guess = p // num_splits
     xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
+    # a barrier, so that the query's loads go out before the plan: without it ptxas put them after
+    # the plan's first use of the lengths, behind the lengths' latency (sm_90a SASS)
+    gl.thread_barrier()
     b, seqlen, start, end, n_tiles, bt_row, blk0 = _plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
                                                                    num_splits, 64, BLOCK_B)
     if b != guess:      # mixed lengths
