@@ -115,15 +115,16 @@ def main(argv=None) -> int:
                 base = None if args.model else bench.decode_case(H, B, L, 1, 64)
                 copies = None if args.model else bench.rotated_copies(base["kv"])
                 for name, lens in mixes(B, L, torch.Generator().manual_seed(B + L)).items():
-                    narrow = H <= 16 and B >= 2
                     P = B * decode_gluon.default_splits(B, H, L, torch.device("cuda", 0))
                     chunks = f"{busiest(lens, P, 'shipped')} -> {busiest(lens, P, 'minmax')}"
                     times, errs = {}, {}
                     if not args.model:
                         from mla.ops import reference
+                        from mla.ops.triton.decode import use_narrow
                         c = dict(base, seqlens=lens.to(base["q"].device))
                         ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"],
                                                    True)[0].float()
+                        narrow = use_narrow(c["q"], c["kv"])      # the dispatch's choice between the two
                         for rule, (g, n) in mods.items():
                             fn = n.launch_narrow if narrow else g.launch_gluon
 
