@@ -99,6 +99,15 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: t
 
 
 @jit
+def _query_rows(q_row, row_ok, dv, dv_ok, dr, dr_ok, DV):
+    """The query rows at q_row ([BLOCK_M] pointers): (q_nope [BLOCK_M, BLOCK_DV], q_pe [BLOCK_M,
+    BLOCK_DR]), zero where masked."""
+    q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+    return q_nope, q_pe
+
+
+@jit
 def _decode_split_kernel(
     Q, KV, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
@@ -126,15 +135,11 @@ def _decode_split_kernel(
     # the lengths are equal), so that they land under its arithmetic; again where it differs
     guess = prog // num_splits
     q_row = Q + qi * stride_qi + h * stride_qh
-    q_mask = row_ok[:, None] & dv_ok[None, :]
-    pe_mask = row_ok[:, None] & dr_ok[None, :]
-    q_nope = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)
-    q_pe = tl.load(q_row[:, None] + guess.to(tl.int64) * stride_qb + DV + dr[None, :], mask=pe_mask, other=0.0)
+    q_nope, q_pe = _query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
     b, seqlen, start, end = _planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
     if b != guess:      # mixed lengths
-        q_nope = tl.load(q_row[:, None] + b.to(tl.int64) * stride_qb + dv[None, :], mask=q_mask, other=0.0)
-        q_pe = tl.load(q_row[:, None] + b.to(tl.int64) * stride_qb + DV + dr[None, :], mask=pe_mask, other=0.0)
+        q_nope, q_pe = _query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
