@@ -628,17 +628,23 @@ def _loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_des
                     tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
         elif KV_FMT == 0:
             mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
-            for c in gl.static_range(8):
-                bar = ready.index(buf * 9 + c)
-                mbarrier.expect(bar, kv_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
-                                                ring.index(buf).slice(c * 64, 64, dim=1))
-            bar = ready.index(buf * 9 + 8)
-            mbarrier.expect(bar, kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+            _copy_tile(ring, ring_pe, ready, buf, row0, kv_desc)
         else:
             mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
             _copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT)
+
+
+@gluon.jit
+def _copy_tile(ring, ring_pe, ready, buf, row0, kv_desc):
+    """The TMA copies of one tile of rows in q's dtype, from cache row row0 into ring slot buf:
+    8 latent boxes and k_pe, each on its own ready barrier (ready[9 buf + c])."""
+    for c in gl.static_range(8):
+        bar = ready.index(buf * 9 + c)
+        mbarrier.expect(bar, kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
+    bar = ready.index(buf * 9 + 8)
+    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
 
 
 @gluon.jit

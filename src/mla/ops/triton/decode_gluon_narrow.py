@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .decode import combine
 from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _descriptors, _loader, _merge_buffers, _merge_weights,
+from .decode_gluon import (_D, _DV, _LOG2E, _copy_tile, _descriptors, _loader, _merge_buffers, _merge_weights,
                            _plan_and_query, _ring_barriers, _send_state, _widen, _zero_tail, block_b, default_splits,
                            launch_dependents, pdl_launch, planned_results, supports, thread_major,
                            wait_prerequisites)
@@ -173,6 +173,9 @@ def _narrow_kernel(
         st8 = (k_smem, kpe_smem, k_smem, free)            # not used
         ring, ring_pe, ring_sc = k_smem, kpe_smem, k_smem
         n_loads = n_tiles
+        # tile 0 goes out now, under the query's landing and stores (the loader starts at tile 1)
+        if n_tiles > 0:
+            _copy_tile(k_smem, kpe_smem, ready, 0, blk0 * block_size + start % block_size, kv_desc)
     else:             # FP8 staging ring of 32-key tiles; each warpgroup widens two into its tile
         k8 = gl.allocate_shared_memory(kv_desc.dtype, [NST, 32, 512], kv_desc.layout)
         if KV_FMT == 1:
@@ -203,7 +206,7 @@ def _narrow_kernel(
         (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
         (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
         (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                   block_size, blk0, KV_FMT)),
+                   block_size, blk0, KV_FMT, False, gl.minimum(n_loads, 1 if KV_FMT == 0 else 0))),
     ], [4, 1], [232, 24])
 
 
