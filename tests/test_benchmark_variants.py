@@ -58,26 +58,3 @@ def test_bitcheck_compare_tells_one_bit_apart():
     nudged.view(torch.int32)[0, 0, 1] += 1
     assert compare(a, {key: (bumped, nudged)}) == 2
     assert compare(a, {key: (out.float(), lse)}) == 1          # another dtype is not the same bits
-
-
-def test_plan_minmax_variants_build_and_its_model_is_the_min_max(tmp_path):
-    """plan_minmax.py's kernel copies build (the narrow copy on the gluon copy's plan), and its
-    model of the min-max rule gives the fewest chunks a program over every way to share P
-    programs (at least one a sequence) on small cases, never more than the shipped rule."""
-    pytest.importorskip("triton.experimental.gluon")
-    import itertools
-
-    import torch
-    from plan_minmax import busiest, variant_modules
-
-    mods = variant_modules(str(tmp_path))
-    assert set(mods) == {"shipped", "minmax"}
-    assert mods["minmax"][1]._plan_and_query is mods["minmax"][0]._plan_and_query
-    g = torch.Generator().manual_seed(0)
-    for B, P in ((2, 5), (3, 6), (4, 8), (3, 3)):
-        for _ in range(20):
-            lens = torch.randint(0, 700, (B,), generator=g)
-            c = [(int(x) + 63) // 64 for x in lens]
-            best = min(max(-(-x // k) for x, k in zip(c, n))
-                       for n in itertools.product(range(1, P + 1), repeat=B) if sum(n) <= P)
-            assert busiest(lens, P, "minmax") == best <= busiest(lens, P, "shipped")

@@ -130,8 +130,9 @@ def test_cpu_non_causal(dtype):
 def test_cpu_plan_shares_programs_by_length(splits, monkeypatch):
     """The split plan (``decode._planned_split``): num_splits * B programs shared out by length.
     Each sequence's programs are a run of its own (info: first, count), the runs cover all the
-    programs in order, every sequence has one, and the long sequence gets the most; the output
-    matches the oracle, with the long sequence's extra programs partly empty."""
+    programs in order, every sequence has one, the long sequence gets the most, and the busiest
+    program has the fewest 16-key chunks any T allows (a scan over every T, the oracle of the
+    kernel's binary search); the output matches the oracle, with some programs partly empty."""
     lens = [300, 5, 0, 1, 17, 64]
     info = plan_info(lens, splits, monkeypatch)
     if splits > 1:
@@ -139,6 +140,33 @@ def test_cpu_plan_shares_programs_by_length(splits, monkeypatch):
         assert (count >= 1).all() and first[0] == 0 and torch.equal(first[1:], (first + count)[:-1])
         assert (first + count)[-1] == splits * len(lens)
         assert count.argmax() == 0 and count[0] > splits
+        assert busiest(lens, count.tolist()) == fewest_chunks(lens, splits * len(lens))
+
+
+def test_cpu_plan_is_the_min_max_split(monkeypatch):
+    """On small batches, the plan's busiest program has the fewest chunks of every way to share
+    the P programs out (at least one a sequence): enumerated, not searched."""
+    import itertools
+    g = torch.Generator().manual_seed(12)
+    for B, splits in ((2, 3), (3, 2), (4, 2)):
+        for _ in range(2):
+            lens = torch.randint(1, 200, (B,), generator=g).tolist()
+            lens[0] = lens[1] + 1 if lens[0] == lens[1] else lens[0]        # mixed lengths: the search
+            P = splits * B
+            count = plan_info(lens, splits, monkeypatch)[:, 1].tolist()
+            best = min(busiest(lens, n) for n in itertools.product(range(1, P + 1), repeat=B) if sum(n) <= P)
+            assert sum(count) == P and busiest(lens, count) == best == fewest_chunks(lens, P), (lens, count)
+
+
+def busiest(lens, counts, chunk=16):
+    """The most chunks any program gets when sequence b's chunks are split into counts[b] runs."""
+    return max(-(-(-(-n // chunk)) // k) for n, k in zip(lens, counts))
+
+
+def fewest_chunks(lens, P, chunk=16):
+    """The least T with sum_b max(1, ceil(c_b / T)) <= P, by trying every T."""
+    c = [-(-n // chunk) for n in lens]
+    return next(t for t in range(1, max(c) + 1) if sum(max(1, -(-x // t)) for x in c) <= P)
 
 
 @pytest.mark.parametrize("lens", [[77] * 5, [0] * 3], ids=["equal", "empty"])

@@ -55,9 +55,10 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: t
     """Program p's share of the batch's keys, by length, in whole BN-key chunks: the plan of
     ``decode_gluon._planned_split`` (which the Hopper kernels use with 64-key chunks; the same
     rule and the same steps, written twice because Gluon and Triton kernels cannot call each
-    other's functions). P = num_splits * B programs; sequence b gets one plus a share of the
-    other P - B by its chunks (rounded down, the remainder one each to the first sequences), and
-    program p the k-th of b's runs of chunks; equal lengths take the fixed split's arithmetic.
+    other's functions). P = num_splits * B programs; sequence b of c_b chunks gets max(1,
+    ceil(c_b / T)) for the least T that fits them in P (a binary search), the programs left one
+    each in turn, and program p the k-th of b's runs of chunks; equal lengths take the fixed
+    split's arithmetic.
     INFO[b] = (first program, count), for ``combine``. Returns (b, seqlen, start, end)."""
     i = tl.arange(0, BLOCK_B)
     ok = i < B
@@ -73,23 +74,28 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: t
         tl.store(INFO + 2 * b, p, mask=k == 0)
         tl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
     else:
-        chunks = ((lens + BN - 1) // BN).to(tl.int64)
+        # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
+        chunks = (lens + BN - 1) // BN
         total = tl.sum(chunks, 0)
         P = num_splits * B
-        n = tl.where(ok, (P - B) * chunks // tl.maximum(total, 1), 0)
-        below = tl.cumsum(n, 0)
-        left = P - B - tl.sum(n, 0)                    # 0 <= left < B: what the rounding left
-        none = total == 0                              # no keys at all: num_splits each
-        count = 1 + n + tl.where(none, num_splits - 1, (i < left).to(tl.int64))
-        j = i.to(tl.int64)
-        last = j + 1 + below + tl.where(none, (num_splits - 1) * (j + 1), tl.minimum(j + 1, left))
+        lo = tl.maximum((total + P - 1) // P, 1)
+        hi = tl.maximum(tl.max(chunks, 0), lo)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = tl.sum(tl.where(ok, tl.maximum((chunks + mid - 1) // mid, 1), 0), 0) <= P
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid + 1)
+        n = tl.where(ok, tl.maximum((chunks + lo - 1) // lo, 1), 0)
+        left = P - tl.sum(n, 0)                        # >= 0: one each in turn
+        count = (n + tl.where(ok, left // B + (i < left % B).to(tl.int32), 0)).to(tl.int64)
+        last = tl.cumsum(count, 0)
         first = last - count
         mine = ok & (first <= p) & (p < last)
         b = tl.sum(tl.where(mine, i, 0), 0)
         seqlen = tl.sum(tl.where(mine, lens, 0), 0)
         f = tl.sum(tl.where(mine, first, 0), 0)
         m = tl.sum(tl.where(mine, count, 0), 0)
-        cb = tl.sum(tl.where(mine, chunks, 0), 0)
+        cb = tl.sum(tl.where(mine, chunks, 0), 0).to(tl.int64)
         kb = p - f
         start = (kb * cb // m).to(tl.int32) * BN
         end = tl.minimum(((kb + 1) * cb // m).to(tl.int32) * BN, seqlen)
@@ -377,13 +383,14 @@ def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_l
     addresses at (p, b): out and lse themselves when there is one split (slot strides 0:
     program p is sequence p), else float32 partials of P slots (sequence strides 0). info
     [B, 2] int32: each sequence's (first slot, slot count), written by the kernel for
-    ``combine``. max_len: the block table's capacity (the plan of equal lengths splits it in int32).
+    ``combine``. max_len: the block table's capacity (the plan counts chunks and splits equal
+    lengths in int32).
     Returns (o_part, l_part, info)."""
     B = out.shape[0]
     P = num_splits * B
-    if num_splits * -(-max_len // 16) >= 2 ** 31:
-        raise ValueError(f"block_table: {max_len} keys a sequence in {num_splits} splits is past the split plan's "
-                         f"int32 arithmetic (splits x keys / 16 < 2^31)")
+    if max(num_splits, B) * -(-max_len // 16) >= 2 ** 31:
+        raise ValueError(f"block_table: {max_len} keys a sequence in {num_splits} splits of a batch of {B} is past "
+                         f"the split plan's int32 arithmetic (max(splits, batch) x keys / 16 < 2^31)")
     info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
     if num_splits == 1:
         return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info

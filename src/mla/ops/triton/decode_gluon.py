@@ -452,9 +452,12 @@ def _plan_layout(BLOCK_B):
 @gluon.jit
 def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: gl.constexpr):
     """Program p's share of the batch's keys, by length (the launch has P = num_splits * B
-    programs; ``planned_results``). Each sequence gets one program, plus a share of the other
-    P - B by its 64-key chunks (rounded down; what rounding leaves goes one each to the first
-    sequences), so a long sequence among short ones is spread over many SMs. Equal lengths give
+    programs; ``planned_results``). The plan makes the busiest program's work the least it can
+    be: T, the fewest 64-key chunks a program, is the least with sum_b max(1, ceil(c_b / T)) <=
+    P for the sequences' chunk counts c_b (found by a binary search between ceil(total / P) and
+    the longest c_b, as FlashInfer's host plan searches its chunk size); sequence b gets
+    max(1, ceil(c_b / T)) programs, and the programs left over go one each to the sequences in
+    turn. So a long sequence among short ones is spread over many SMs. Equal lengths give
     num_splits programs a sequence, in order: the grid of a fixed split count.
 
     The program then takes its part of its sequence b: the k-th of count nearly equal runs of
@@ -463,11 +466,14 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
     first program). Every program computes the plan from the B lengths (BLOCK_B >= B): no host
     sync. The plan lies on the path to the first tile's copy: equal lengths (one round of
     reductions to find out) take the fixed split's arithmetic; otherwise each lane works out its
-    own sequence's slots, and one round of sums picks program p's sequence and its numbers
-    (three rounds of reductions in all, two of them side by side). The first version, a reduction for each quantity
-    and no short path, cost equal-length batches 0.6-1.1 us on the H200; one with the lanes'
-    splits in parallel (int64 divisions a lane) 1.7-2.3 us at batch 128. Equal lengths in int32
-    (``planned_results`` checks the range), the rest in int64. Returns (b, seqlen, start, end,
+    own sequence's slots (a round of sums for each step of the search, then a scan), and one
+    round of sums picks program p's sequence and its numbers. The first version, a reduction for
+    each quantity and no short path, cost equal-length batches 0.6-1.1 us on the H200; one with
+    the lanes' splits in parallel (int64 divisions a lane) 1.7-2.3 us at batch 128. The first
+    rule, one program a sequence plus a share of the other P - B by chunks, left a long sequence
+    twice the ideal work at P = 2 B (128 heads, B 32, lengths uniform in 1..16k: 128 chunks in
+    the busiest program against 87 now; 261.8 -> 188.5 us). The counts in int32
+    (``planned_results`` checks the range), the runs in int64. Returns (b, seqlen, start, end,
     n_tiles)."""
     i = gl.arange(0, BLOCK_B, layout=_plan_layout(BLOCK_B))
     ok = i < B
@@ -483,17 +489,21 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
         gl.store(INFO + 2 * b, p, mask=k == 0)
         gl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
     else:
-        chunks = ((lens + 63) // 64).to(gl.int64)
+        # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
+        chunks = (lens + 63) // 64
         total = gl.sum(chunks, axis=0)
         P = num_splits * B
-        n = gl.where(ok, (P - B) * chunks // gl.maximum(total, 1), 0)
-        below = gl.associative_scan(n, 0, _add)            # these two side by side
-        left = P - B - gl.sum(n, axis=0)                   # 0 <= left < B: what the rounding left
-        # one more each to the first `left` sequences; with no keys at all, num_splits each
-        none = total == 0
-        count = 1 + n + gl.where(none, num_splits - 1, (i < left).to(gl.int64))
-        j = i.to(gl.int64)
-        last = j + 1 + below + gl.where(none, (num_splits - 1) * (j + 1), gl.minimum(j + 1, left))
+        lo = gl.maximum((total + P - 1) // P, 1)
+        hi = gl.maximum(gl.max(chunks, axis=0), lo)        # one program a sequence always fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = gl.sum(gl.where(ok, gl.maximum((chunks + mid - 1) // mid, 1), 0), axis=0) <= P
+            hi = gl.where(fits, mid, hi)
+            lo = gl.where(fits, lo, mid + 1)
+        n = gl.where(ok, gl.maximum((chunks + lo - 1) // lo, 1), 0)
+        left = P - gl.sum(n, axis=0)                       # >= 0
+        count = (n + gl.where(ok, left // B + (i < left % B).to(gl.int32), 0)).to(gl.int64)
+        last = gl.associative_scan(count, 0, _add)
         first = last - count
         mine = ok & (first <= p) & (p < last)
         # program p's sequence and its (first, count, length, chunks), in one round of sums
@@ -501,7 +511,7 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
         seqlen = gl.sum(gl.where(mine, lens, 0), axis=0)
         f = gl.sum(gl.where(mine, first, 0), axis=0)
         m = gl.sum(gl.where(mine, count, 0), axis=0)
-        cb = gl.sum(gl.where(mine, chunks, 0), axis=0)
+        cb = gl.sum(gl.where(mine, chunks, 0), axis=0).to(gl.int64)
         kb = p - f
         start = (kb * cb // m).to(gl.int32) * 64
         end = gl.minimum(((kb + 1) * cb // m).to(gl.int32) * 64, seqlen)
