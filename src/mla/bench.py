@@ -307,6 +307,8 @@ def run_decode(args) -> int:
         torch.cuda.empty_cache()
         print(f"[{i + 1}/{len(shapes)}] H={H} B={B} L={L} s_q={s_q} kv={kv_format} done "
               f"({time.time() - t0:.0f} s)", flush=True)
+        if args.csv:      # after every shape, so that a run cut short keeps what it measured
+            write_csv(rows, args.csv)
 
     _add_ratios(rows)
     print(decode_table(rows))
