@@ -160,13 +160,17 @@ def test_cpu_plan_is_the_min_max_split(monkeypatch):
 
 def busiest(lens, counts, chunk=16):
     """The most chunks any program gets when sequence b's chunks are split into counts[b] runs."""
-    return max(-(-(-(-n // chunk)) // k) for n, k in zip(lens, counts))
+    return max(_cdiv(_cdiv(n, chunk), k) for n, k in zip(lens, counts))
 
 
 def fewest_chunks(lens, P, chunk=16):
     """The least T with sum_b max(1, ceil(c_b / T)) <= P, by trying every T."""
-    c = [-(-n // chunk) for n in lens]
-    return next(t for t in range(1, max(c) + 1) if sum(max(1, -(-x // t)) for x in c) <= P)
+    c = [_cdiv(n, chunk) for n in lens]
+    return next(t for t in range(1, max(c + [1]) + 1) if sum(max(1, _cdiv(x, t)) for x in c) <= P)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
 
 
 @pytest.mark.parametrize("lens", [[77] * 5, [0] * 3], ids=["equal", "empty"])
