@@ -79,7 +79,13 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: t
         total = tl.sum(chunks, 0)
         P = num_splits * B
         lo = tl.maximum((total + P - 1) // P, 1)
+        # T = the longest always fits, and with P > B so does ceil(total / (P - B)) (the sum is
+        # at most B + total / T); with P = B that is the answer (no search)
         hi = tl.maximum(tl.max(chunks, 0), lo)
+        if num_splits == 1:
+            lo = hi
+        else:
+            hi = tl.minimum(hi, tl.maximum((total + P - B - 1) // (P - B), lo))
         while lo < hi:
             mid = (lo + hi) // 2
             fits = tl.sum(tl.where(ok, tl.maximum((chunks + mid - 1) // mid, 1), 0), 0) <= P

@@ -455,7 +455,8 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
     programs; ``planned_results``). The plan makes the busiest program's work the least it can
     be: T, the fewest 64-key chunks a program, is the least with sum_b max(1, ceil(c_b / T)) <=
     P for the sequences' chunk counts c_b (found by a binary search between ceil(total / P) and
-    the longest c_b, as FlashInfer's host plan searches its chunk size); sequence b gets
+    the smaller of the longest c_b and ceil(total / (P - B)), as FlashInfer's host plan searches
+    its chunk size; none with one split, P = B, where T is the longest); sequence b gets
     max(1, ceil(c_b / T)) programs, and the programs left over go one each to the sequences in
     turn. So a long sequence among short ones is spread over many SMs. Equal lengths give
     num_splits programs a sequence, in order: the grid of a fixed split count.
@@ -494,7 +495,13 @@ def _planned_split(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: g
         total = gl.sum(chunks, axis=0)
         P = num_splits * B
         lo = gl.maximum((total + P - 1) // P, 1)
-        hi = gl.maximum(gl.max(chunks, axis=0), lo)        # one program a sequence always fits
+        # T = the longest always fits, and with P > B so does ceil(total / (P - B)) (the sum is
+        # at most B + total / T); with P = B that is the answer (no search)
+        hi = gl.maximum(gl.max(chunks, axis=0), lo)
+        if num_splits == 1:
+            lo = hi
+        else:
+            hi = gl.minimum(hi, gl.maximum((total + P - B - 1) // (P - B), lo))
         while lo < hi:
             mid = (lo + hi) // 2
             fits = gl.sum(gl.where(ok, gl.maximum((chunks + mid - 1) // mid, 1), 0), axis=0) <= P
