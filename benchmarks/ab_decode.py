@@ -30,12 +30,17 @@ def tree_env(src: Path) -> dict:
     return env
 
 
-def run_tree(src: Path, bench_args: list[str], csv_path: Path) -> None:
+def run_tree(src: Path, bench_args: list[str], csv_path: Path) -> int:
+    """One ``mla bench decode`` of tree src into csv_path; its exit status. A tree that fails
+    (a kernel that faults, say) keeps what its CSV holds (the bench writes it after every shape)
+    and the other trees go on."""
     cmd = [sys.executable, "-m", "mla.cli", "bench", "decode", "--no-peers", "--csv", str(csv_path), *bench_args]
-    subprocess.run(cmd, env=tree_env(src), check=True, stdout=subprocess.DEVNULL)
+    return subprocess.run(cmd, env=tree_env(src), stdout=subprocess.DEVNULL).returncode
 
 
 def read_times(csv_path: Path, provider: str) -> dict:
+    if not csv_path.is_file():
+        return {}
     with open(csv_path) as f:
         return {(r["H"], r["B"], r["L"], r["s_q"], r["kv"]): float(r["us"])
                 for r in csv.DictReader(f) if r["provider"] == provider and r["us"]}
@@ -58,7 +63,10 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for i, tree in enumerate(args.trees):
                 out = Path(tmp) / f"{i}_{rnd}.csv"
-                run_tree(tree, bench_args, out)
+                rc = run_tree(tree, bench_args, out)
+                if rc:
+                    print(f"tree {i} ({tree}), round {rnd}: exit status {rc}; kept the shapes it wrote",
+                          file=sys.stderr, flush=True)
                 for k, us in read_times(out, args.provider).items():
                     best[i][k] = min(us, best[i].get(k, math.inf))
     names = [str(t) for t in args.trees]
@@ -66,7 +74,7 @@ def main(argv=None) -> int:
     over = " ".join(f"{i}/0".rjust(6) for i in range(1, len(names)))
     print(f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {heads} {over}")
     ratios = [[] for _ in names]
-    for k in best[0]:
+    for k in dict.fromkeys(k for b in best for k in b):      # every shape any tree timed, in order
         ts = [b.get(k, math.nan) for b in best]
         for i in range(1, len(ts)):
             ratios[i].append(ts[i] / ts[0])
