@@ -20,6 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 BLOCK_B = 32      # the split plan's vector width (a batch of 17-32 sequences); --block-b
+O_TYPE = "*bf16"  # the FP8 kernel's and the seesaw's partials (as launched: the output's dtype); --partials
 KEEP = ("LDS", "STS", "LDSM", "STSM", "SHFL", "PRMT", "F2FP", "HGMMA", "QGMMA", "LDL", "STL", "BAR", "SEL", "I2F", "F2F")
 
 
@@ -74,7 +75,7 @@ def fp8_kernel(m=None, tile: bool = False):
         pe = f"tensordesc<bf16[64, 64],{gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)!r}>"
         sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
     sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
-           "O": "*fp32", "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
+           "O": O_TYPE, "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
            **{k: "i32" for k in _INTS}, "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
     cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
@@ -82,22 +83,23 @@ def fp8_kernel(m=None, tile: bool = False):
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
-def _bf16_sig(extra: dict) -> dict:
+def _bf16_sig(extra: dict, o_type: str) -> dict:
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 64],{bf16_l!r}>"
     return {"Q": "*bf16", "kv_desc": desc, "pe_desc": desc, "sc_desc": desc, "BT": "*i32", "SEQLENS": "*i32",
-            "O": "*fp32", "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
+            "O": o_type, "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
             **{k: "i32" for k in _INTS}, **extra}
 
 
 def seesaw_kernel(m=None):
     """``decode_gluon``'s seesaw (or that of a module with the same kernel, e.g. a variant) on
-    bf16 rows, 64-key tiles, float32 partials (128 heads)."""
+    bf16 rows, 64-key tiles, 128 heads, the partials of --partials (bf16: by TMA, as launched)."""
     if m is None:
         from mla.ops.triton import decode_gluon as m
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"})
-    cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": False,
+    sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"}, O_TYPE)
+    # 16-bit partials go out by TMA (launch_gluon), float32 ones from registers
+    cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": O_TYPE != "*fp32",
           "BLOCK_B": BLOCK_B, "num_warps": 4}
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
@@ -110,15 +112,17 @@ def narrow_kernel(m=None):
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
           "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": BLOCK_B, "num_warps": 4}
-    return compile_gluon(m._narrow_kernel, _bf16_sig({}), cx, _ALIGNED, maxnreg=168)
+    return compile_gluon(m._narrow_kernel, _bf16_sig({}, "*fp32"), cx, _ALIGNED, maxnreg=168)     # float32 partials
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow"])
     p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
+    p.add_argument("--partials", default="bf16", choices=["bf16", "fp32"], help="the partial outputs' dtype")
     a = p.parse_args()
     globals()["BLOCK_B"] = a.block_b
+    globals()["O_TYPE"] = "*" + a.partials
     k = {"fp8": fp8_kernel, "fp8tile": lambda: fp8_kernel(tile=True), "seesaw": seesaw_kernel,
          "narrow": narrow_kernel}[a.kernel]()
     usage, ops = sass_counts(k)

@@ -51,9 +51,10 @@ def variant_source(mode: str) -> str:
             src = edit(src, "qmask = (rows < H * S_Q)", "qmask = (rows < 0)")
             src = edit(src, "mask = (rows < H * S_Q)[:, None] & (cols < 64)", "mask = (rows < 0)[:, None] & (cols < 64)")
         if mode == "no_tiles_store":   # nor the stores of the output or partials (masked off; the
-            # TMA output, used with one split since 1c9e025, turned off so that these are the stores)
+            # TMA output, used with one split since 1c9e025 and for 16-bit partials after it, turned
+            # off so that these are the stores)
             src = edit(src, "mask=(mo < H * S_Q)[:, None]", "mask=(mo < 0)[:, None]")
-            src = edit(src, "tma_out = S == 1 and rows % _BLOCK_M == 0", "tma_out = False and rows % _BLOCK_M == 0")
+            src = edit(src, "tma_out = rows % _BLOCK_M == 0", "tma_out = False and rows % _BLOCK_M == 0")
         return src
     if mode == "no_load":   # the seesaw's loader path (the tile released in halves)
         for c, dst in (("[row0, c * 64]", "ring.index(buf).slice(c * 64, 64, dim=1))"),

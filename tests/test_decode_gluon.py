@@ -140,6 +140,28 @@ def test_one_split_whole_row_tiles(H, s_q, dtype, kv_fmt, block_n):
 
 
 @pytest.mark.parametrize("block_n", TILES)
+@pytest.mark.parametrize("H,s_q,dtype,kv_fmt,part", [
+    (128, 1, torch.bfloat16, "plain", torch.bfloat16), (64, 2, torch.float16, "plain", torch.float16),
+    (16, 4, torch.bfloat16, "plain", torch.bfloat16), (64, 1, torch.float16, "fp8", torch.float16),
+    (128, 1, torch.bfloat16, "fp8", torch.float32), (63, 4, torch.bfloat16, "plain", torch.float32)])
+def test_split_partials_dtype(H, s_q, dtype, kv_fmt, part, block_n, monkeypatch):
+    # with splits, whole 64-row tiles in the MMAs' dtype: 16-bit partials that TMA writes at
+    # the program's slot (mixed lengths: slot p is not sequence p); else (fp16 MMAs for a bf16
+    # output, rows not whole tiles) float32 partials from registers
+    if kv_fmt != "plain" and block_n == 64:
+        pytest.skip("FP8 rows are read in tiles of 32 keys")
+    seen, planned = [], dg.planned_results
+
+    def spy(*args):
+        seen.append(planned(*args))
+        return seen[-1]
+    monkeypatch.setattr(dg, "planned_results", spy)
+    check([0, s_q, 700, 4099, 64], s_q, H, dtype=dtype, seed=H + s_q + 1, kv_fmt=kv_fmt, num_splits=5,
+          block_n=block_n)
+    assert [o.dtype for o, _, _ in seen] == [part]
+
+
+@pytest.mark.parametrize("block_n", TILES)
 def test_fp16_page128_non_causal(block_n):
     check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, block_n=block_n)
     check([5000, 7], 3, 128, causal=False, seed=3, block_n=block_n)

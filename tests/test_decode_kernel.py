@@ -186,8 +186,8 @@ def plan_info(lens, splits, monkeypatch):
     seen = {}
     planned = decode.planned_results
 
-    def spy(out, lse, num_splits, max_len):
-        o, l_, info = planned(out, lse, num_splits, max_len)
+    def spy(*args):
+        o, l_, info = planned(*args)
         seen["info"] = info
         return o, l_, info
     monkeypatch.setattr(decode, "planned_results", spy)
@@ -218,19 +218,22 @@ def test_public_op_dispatches_to_kernel():
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
 
 
-def check_combine(S, B, s_q, H, dv, out_dtype, device, seed=0):
-    """decode.combine against the float64 LSE merge of S partials. Partials are as the kernels
-    write them: an empty split has out 0 and lse -inf; one row has every split empty."""
+def check_combine(S, B, s_q, H, dv, out_dtype, device, seed=0, part_dtype=torch.float32):
+    """decode.combine against the float64 LSE merge of S partials (in part_dtype, as
+    ``planned_results`` makes them). Partials are as the kernels write them: an empty split has
+    out 0 and lse -inf; one row has every split empty."""
     g = torch.Generator().manual_seed(seed)
-    o_part = torch.randn(S, B, s_q, H, dv, generator=g)
+    o_part = torch.randn(S, B, s_q, H, dv, generator=g).to(part_dtype)
     l_part = torch.randn(S, B, s_q, H, generator=g) * 4
     empty = torch.rand(S, B, s_q, H, generator=g) < 0.3
     empty[:, 0, 0, 0] = True
     l_part[empty] = float("-inf")
     o_part[empty] = 0.0
+    o_part = o_part.to(device)
     out = torch.empty(B, s_q, H, dv, dtype=out_dtype, device=device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=device)
-    decode.combine(o_part.to(device), l_part.to(device), out, lse)
+    decode.combine(o_part, l_part.to(device), out, lse)
+    o_part = o_part.double().cpu()
     ref_lse = torch.logsumexp(l_part.double(), 0)
     w = torch.exp(l_part.double() - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0))
     ref = (w[..., None] * o_part.double()).sum(0)
@@ -254,6 +257,25 @@ def test_cpu_combine_fp16_out_and_wide_rows():
     # float16 here: the 3.6 interpreter casts float32 to bf16 by truncation (the GPU rounds)
     check_combine(5, 3, 1, 7, 64, torch.float16, "cpu")
     check_combine(4, 1, 1, 1, 512, torch.float32, "cpu")
+    check_combine(6, 2, 2, 3, 64, torch.float16, "cpu", part_dtype=torch.float16)     # the kernels' fp16 partials
+
+
+def test_planned_results_partial_dtypes():
+    """planned_results: with splits, partial outputs in float32 or out's own 16-bit dtype (lse
+    float32), any other dtype refused before anything is allocated; one split writes out and lse
+    themselves."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out, lse = torch.empty(3, 2, 5, 8, dtype=dtype), torch.empty(3, 2, 5)
+        for part in {torch.float32, dtype}:
+            o, l_, info = decode.planned_results(out, lse, 4, 100, part)
+            assert o.dtype == part and l_.dtype == torch.float32
+            assert o.shape == (12, 3, 2, 5, 8) and l_.shape == (12, 3, 2, 5) and info.shape == (3, 2)
+            assert o.stride(1) == 0 and o[:, 0].is_contiguous()      # slot p's rows at p * rows (the TMA boxes)
+        o1, l1, _ = decode.planned_results(out, lse, 1, 100)
+        assert o1.data_ptr() == out.data_ptr() and l1.data_ptr() == lse.data_ptr()
+    out = torch.empty(3, 2, 5, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="part_dtype"):
+        decode.planned_results(out, torch.empty(3, 2, 5), 4, 100, torch.float16)
 
 
 @pytest.mark.parametrize("counts", [[300, 300, 300], [500, 100, 300], [1, 898, 1]], ids=["equal", "mixed", "skewed"])
@@ -313,6 +335,7 @@ def test_gpu_long_single_sequence_and_non_causal():
 def test_gpu_combine(S, H, dv):
     check_combine(S, 4, 1, H, dv, torch.float32, "cuda", seed=S)
     check_combine(S, 2, 2, H, dv, torch.bfloat16, "cuda", seed=S + 1)
+    check_combine(S, 2, 2, H, dv, torch.bfloat16, "cuda", seed=S + 2, part_dtype=torch.bfloat16)  # the kernels'
 
 
 @gpu

@@ -275,7 +275,8 @@ def _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_
                v_scale, q_smem, o_desc, o_row0, WRITE_LSE: gl.constexpr, TMA_OUT: gl.constexpr,
                S_L: gl.constexpr, ACC_L: gl.constexpr):
     """This warpgroup's 256 output columns (or the split's partial), and the LSE if WRITE_LSE.
-    TMA_OUT (one split, whole 64-row tiles of one sequence): staged in the query's shared memory,
+    TMA_OUT (whole 64-row tiles of one sequence, out's dtype; the output with one split, else
+    the split's slot of 16-bit partials, at row o_row0): staged in the query's shared memory,
     free once both warpgroups passed ``_add_other_l`` (their MMAs all waited), and written by
     TMA in 64-column boxes; the stores from the MMA's register layout wrote 16 bytes per row
     and instruction (on the H200 about 13 us of a 97 us 128-head B 128 x 1k step)."""
@@ -842,7 +843,7 @@ def _seesaw_kernel(
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
             q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
-            stride_li, qk_scale, v_scale, st8, o_desc, b * (H * S_Q) + ml)
+            stride_li, qk_scale, v_scale, st8, o_desc, p * (H * S_Q) + ml)     # one split: p is b
     gl.warp_specialize([
         (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
         (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
@@ -954,19 +955,25 @@ def launch_gluon(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_sc
     if block_n is None:
         block_n = default_block_n(B, rows) if fmt == 0 else 32
     S = num_splits
-    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size)
     # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly in one instruction a pair (bf16: three)
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
+    # whole 64-row tiles per sequence and the output in the MMAs' dtype: each split's result is
+    # staged in the query's shared memory and goes out by TMA, into out itself (one split) or
+    # into partials in out's dtype (slot p's rows p * rows ..); else (fp16 MMAs for a bf16
+    # output, rows not whole tiles) float32 partials, stored from registers. Partials in 16 bits
+    # from registers went out 16 bytes a row and instruction: 128 heads B 1 x 1k 13.4 -> 18.5 us
+    # (H200). o_desc is a stand-in when unused
+    tma_out = rows % _BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
+    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size,
+                                           out.dtype if tma_out else torch.float32)
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, block_n, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     grid = (triton.cdiv(rows, _BLOCK_M), S * B)
-    # one split, whole 64-row tiles per sequence and the output in the MMAs' dtype (staged in the
-    # query's shared memory): the output goes out by TMA; else (float32 partials, fp16 MMAs for a
-    # bf16 output) by stores from registers. o_desc is a stand-in when unused
-    tma_out = S == 1 and rows % _BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
-    o_desc = (TensorDescriptor(out.view(B * rows, _DV), [B * rows, _DV], [_DV, 1], [_BLOCK_M, 64],
-                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-              if tma_out else kv_desc)
+    o_desc = kv_desc
+    if tma_out:
+        o_rows = (out if S == 1 else o_part[:, 0]).view(-1, _DV)     # [S * B * rows, DV]: program p's at p * rows
+        o_desc = TensorDescriptor(o_rows, list(o_rows.shape), [_DV, 1], [_BLOCK_M, 64],
+                                  gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _seesaw_kernel[grid](
         q, kv_desc, pe_desc, sc_desc, o_desc, block_table, cache_seqlens, o_part, l_part, info,
         q.stride(0), q.stride(1), q.stride(2),

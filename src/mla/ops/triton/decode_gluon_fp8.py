@@ -494,7 +494,9 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     if num_splits is None:      # each row group as a sequence of its own
         num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
     S = num_splits
-    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size)
+    # partials in out's dtype, 16-byte stores a thread (thread-major rows): 16 heads B 32 x 1k /
+    # 4k 19.2 -> 17.8 / 36.1 -> 34.6 us against float32 ones (H200, one process)
+    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size, out.dtype)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
