@@ -292,7 +292,10 @@ def _combine_kernel(
         l_rows += s_first * stride_ls
         p_rows += s_first * stride_ps
         num_splits = count
-    for s0 in range(s_begin, num_splits, BLOCK_S):
+    # mixed lengths give a long sequence many slots (16 heads B 32, one 16k among 1k ones: 33 in
+    # rounds of 4): the rounds' loads pipelined two deep (cp.async into shared memory), so that
+    # each round does not wait out a whole memory latency after the one before
+    for s0 in tl.range(s_begin, num_splits, BLOCK_S, num_stages=2):
         m, total, acc = _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls,
                                       stride_ps, BLOCK_S)
     lmax = tl.where(m == float("-inf"), 0.0, m)
