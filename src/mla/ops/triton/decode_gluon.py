@@ -687,7 +687,8 @@ def _copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, s
 def wait_prerequisites():
     """Wait until the kernels this one follows have finished and their writes are visible. The
     Gluon decode kernels are launched as programmatic dependents (``pdl_launch``) and call this
-    before they read anything; without PDL it returns at once."""
+    before they read anything (after setting up their mbarriers, which read no memory); without
+    PDL it returns at once."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -773,7 +774,6 @@ def _seesaw_kernel(
     TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4)
-    wait_prerequisites()
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
     ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pid_m = gl.program_id(0)
@@ -830,6 +830,9 @@ def _seesaw_kernel(
         st8 = (k8, pe8, sc8, free8)
         ring, ring_pe, ring_sc, free = st8
 
+    # the barriers above read no memory: under a dependent launch they are set up while the
+    # kernel before drains
+    wait_prerequisites()
     b, seqlen, start, end, n_tiles, bt_row, blk0 = _plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
                                                                    num_splits, BN, BLOCK_B)
 

@@ -406,6 +406,10 @@ def _fp8_kernel(
     """TILE: tile rows (``mla.quant``: 512 e4m3 values, 4 float32 scales, 64 bf16 k_pe; pe_desc
     and sc_desc over the last two); else FP8 rows of 576 e4m3 values (pe_desc, sc_desc unused)."""
     gl.static_assert(num_warps == 4)
+    # the barriers first: they read no memory, so under a dependent launch they are set up while
+    # the kernel before drains (``wait_prerequisites``)
+    ready, free = _ring_barriers(_NST, 1)
+    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     wait_prerequisites()
     # program (the plan's program p, ``_planned_split``; row group g) at p ROW_GROUPS + g: the
     # row groups of a split run side by side, so that the second reads its keys from L2
@@ -430,8 +434,6 @@ def _fp8_kernel(
         pe8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 64], kv_desc.layout)
         sc8 = pe8      # not used
         qpe = p_smem   # not used
-    ready, free = _ring_barriers(_NST, 1)
-    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     # FP8 rows: the first tile goes out now, so that the memory works under the query split. Each
     # copy into the ring's one allocation costs the prologue a thread barrier: measured, copying 2
     # or 4 tiles here was slower, and tile rows (11 copies a tile) lose with one (PERF.md)
