@@ -426,24 +426,30 @@ def block_b(B: int) -> int:
     return max(16, triton.next_power_of_2(B))
 
 
-def combine_tiles(num_splits: int, rows: int, dv: int, elt: int = 4) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_R, BLOCK_D) of the combine: about 4096 partial values a program, all
-    the splits at once up to 256, so that each program's loads go out together. The first
+def combine_tiles(num_splits: int, rows: int, dv: int, elt: int = 4) -> tuple[int, int, int, int]:
+    """(BLOCK_S, BLOCK_R, BLOCK_D, warps) of the combine: about 4096 partial values a program,
+    all the splits at once up to 256, so that each program's loads go out together. The first
     version (one row, 128 columns, 16 splits at a time, two passes) was latency-bound: on the
     H200 19.7 us for 2 splits x 32 x 128 rows (21 MB) and 14.1 us for 132 splits x 16 rows
     (batch 1), against 9.7 and 4.6 with these tiles (docs/PERF.md, "the split combine").
 
     elt: the partials' bytes a value. Triton lays a tile out 16 bytes a thread along D, then
-    warps on D and R, and what warps are left over on S, whose sums then go through shared
-    memory; 16-bit partials (8 values a thread) in a [1, 16, 256] tile put all four warps on
-    S. Up to 16 splits, a 16-bit tile covers the four warps with R x D (1024 values)."""
+    threads on R, then S; warps on D, R, and what is left over on S, whose sums then go through
+    shared memory. 16-bit partials (8 values a thread) in a [1, 16, 256] tile put all four warps
+    on S: 128 heads B 1 x 1k 13.5 -> 15.8 us against float32 partials (H200). So up to 16 splits
+    a 16-bit tile covers four warps with R x D (1024 values), and beyond, the program has only
+    the warps that R x D covers (float32 tiles keep four warps, as measured before)."""
     bs = min(triton.next_power_of_2(max(num_splits, 1)), 256)
     bd = min(triton.next_power_of_2(dv), max(16, 4096 // bs))
     br = min(triton.next_power_of_2(max(rows, 1)), max(1, 4096 // (bs * bd)))
-    if elt == 2 and bs <= 16:
+    if elt != 2:
+        return bs, br, bd, 4
+    if bs <= 16:
         bd = min(triton.next_power_of_2(dv), 1024)
         br = min(triton.next_power_of_2(max(rows, 1)), max(br, 1024 // bd))
-    return bs, br, bd
+    t_d = min(32, max(1, bd // 8))              # threads on D, then on R
+    t_r = min(32 // t_d, br)
+    return bs, br, bd, max(1, min(4, (bd // (8 * t_d)) * (br // t_r)))
 
 
 def combine(o_part, l_part, out, lse, info=None):
@@ -455,7 +461,7 @@ def combine(o_part, l_part, out, lse, info=None):
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")
     per = S if info is None else S // B     # with info: the slots a sequence of equal lengths has
-    bs, br, bd = combine_tiles(per, H * s_q, dv, o_part.element_size())
+    bs, br, bd, warps = combine_tiles(per, H * s_q, dv, o_part.element_size())
     pdl = PDL and out.is_cuda and _sm_major(out.device.index or 0) >= 9
     _combine_kernel[(triton.cdiv(H * s_q, br), B, triton.cdiv(dv, bd))](
         o_part, l_part, out, lse, l_part if info is None else info,
@@ -464,7 +470,7 @@ def combine(o_part, l_part, out, lse, info=None):
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         H * s_q, H, dv, per,
-        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, num_warps=4,
+        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 
