@@ -258,6 +258,12 @@ def test_cpu_combine_fp16_out_and_wide_rows():
     check_combine(5, 3, 1, 7, 64, torch.float16, "cpu")
     check_combine(4, 1, 1, 1, 512, torch.float32, "cpu")
     check_combine(6, 2, 2, 3, 64, torch.float16, "cpu", part_dtype=torch.float16)     # the kernels' fp16 partials
+    # 16-bit tiles (combine_tiles): up to 16 splits rows x 512 columns on four warps, beyond one warp
+    check_combine(16, 1, 1, 3, 512, torch.float16, "cpu", seed=16, part_dtype=torch.float16)
+    check_combine(40, 1, 2, 3, 512, torch.float16, "cpu", seed=40, part_dtype=torch.float16)
+    assert decode.combine_tiles(16, 3, 512, 2) == (16, 2, 512, 4)
+    assert decode.combine_tiles(40, 6, 512, 2) == (64, 1, 64, 1)
+    assert decode.combine_tiles(16, 3, 512, 4) == (16, 1, 256, 4)      # float32: as before
 
 
 def test_planned_results_partial_dtypes():
