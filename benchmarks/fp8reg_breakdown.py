@@ -127,7 +127,8 @@ def _stamp(TL, prog, k: gl.constexpr):
 def _fp8_kernel('''
 # the stamps' columns, in program order (column 7 is the SM); the third is taken where the kernel
 # computed bt_row: after its tile split until 2774521, after the ring's barrier inits since be4e32a
-# (the same place since the plan computes bt_row, _plan_and_block).
+# (the same place since the plan computes bt_row, _plan_and_block), after the plan once the
+# barriers moved ahead of the wait (3a46bdf). "entry" is the kernel's first line.
 # One program a split: 16 query rows at most (two row groups would share a row of stamps)
 STAMPS = ("entry", "waited", "bt_row", "query split", "first tile", "last tile", "end")
 PROG = "gl.program_id(0)"
@@ -135,11 +136,9 @@ TIMELINE = [
     ("\n@gluon.jit\ndef _fp8_kernel(", STAMP),
     ("    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO,\n",
      "    Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO, TL,\n"),
-    ("    gl.static_assert(num_warps == 4)\n    wait_prerequisites()\n",
-     f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n    wait_prerequisites()\n"
-     f"    _stamp(TL, {PROG}, 0)\n"),
-    ("    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n",
-     "    _stamp(TL, p, 2)\n    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n"),
+    ("    gl.static_assert(num_warps == 4)\n", f"    gl.static_assert(num_warps == 4)\n    _stamp(TL, {PROG}, 1)\n"),
+    ("    wait_prerequisites()\n    # program", f"    wait_prerequisites()\n    _stamp(TL, {PROG}, 0)\n    # program"),
+    (SPLIT, SPLIT + "    _stamp(TL, p, 2)\n"),
     ("    launch_dependents()\n", "    launch_dependents()\n    _stamp(TL, p, 3)\n"),
     ("            qk_scale, v_scale)\n    gl.warp_specialize",
      "            qk_scale, v_scale, TL, p)\n    gl.warp_specialize"),
@@ -154,18 +153,16 @@ TIMELINE = [
 ]
 # the set-up alone, finer: a stamp once the plan is made (the lengths in), once the query's last chunk is in
 # (behind a branch on the values, so that it cannot be taken before they land; the reduction
-# adds a little), after the barrier inits and after the query split; then the first tile
-STAMPS_PROLOGUE = ("entry", "waited", "plan", "query in", "inits", "query split", "first tile")
+# adds a little), after tile 0's copy and after the query split; then the first tile
+STAMPS_PROLOGUE = ("entry", "waited", "plan", "query in", "tile 0 sent", "query split", "first tile")
 _PROG_S = "p"
-TIMELINE_PROLOGUE = TIMELINE[:3] + [
+TIMELINE_PROLOGUE = TIMELINE[:4] + [
     (SPLIT, SPLIT + f"    if seqlen >= 0:\n        _stamp(TL, {_PROG_S}, 2)\n"
      "    if gl.sum(gl.sum(xq[8].to(gl.float32), axis=1), axis=0) * 0.0 == 0.0:\n"
      f"        _stamp(TL, {_PROG_S}, 3)\n"),
-    ("    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n",
-     "    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0\n"
-     f"    _stamp(TL, {_PROG_S}, 4)\n"),
+    ("    _store_q8(xq, q8, qpe, TILE)\n", f"    _stamp(TL, {_PROG_S}, 4)\n    _store_q8(xq, q8, qpe, TILE)\n"),
     ("    launch_dependents()\n", f"    launch_dependents()\n    _stamp(TL, {_PROG_S}, 5)\n"),
-    TIMELINE[5], TIMELINE[6],
+    TIMELINE[6], TIMELINE[7],
     ("        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n",
      "        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)\n"
      "        if WG == 0:\n            if t == 0:\n                _stamp(TL, prog, 6)\n"),
@@ -179,7 +176,7 @@ TIMELINE_PROLOGUE = TIMELINE[:3] + [
 # have arrived. Needs all programs on the SMs at once (B 32 x 4 splits: 128): a deadlock else
 STAMPS_ARRIVAL = ("entry", "waited", "last tile", "stored", "arrived", "all arrived", "end")
 _CNT = "TL + 480000 + b"
-TIMELINE_ARRIVAL = TIMELINE[:3] + [
+TIMELINE_ARRIVAL = TIMELINE[:4] + [
     ("            qk_scale, v_scale)\n    gl.warp_specialize",
      "            qk_scale, v_scale, TL, p, num_splits, b)\n    gl.warp_specialize"),
     ("stride_li, qk_scale, v_scale) = a\n", "stride_li, qk_scale, v_scale, TL, prog, num_splits, b) = a\n"),
@@ -197,7 +194,8 @@ TIMELINE_ARRIVAL = TIMELINE[:3] + [
      "        _stamp(TL, prog, 5)\n"),
     ("    ], [4, 1], [232, 24])\n", "    ], [4, 1], [232, 24])\n    _stamp(TL, p, 6)\n"),
     ("        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,\n",
-     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info, _counters_zeroed(q.device),\n"),
+     "        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,"
+     " _counters_zeroed(q.device),\n"),
     ("\n@gluon.jit\ndef _stamp(", "\ndef _counters_zeroed(device):\n    t = _times(device)\n    t[60000:].zero_()\n"
      "    return t\n\n\n@gluon.jit\ndef _stamp("),
 ]
