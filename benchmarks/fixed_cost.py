@@ -6,7 +6,7 @@ seesaw or the narrow Gluon kernel), at the shapes where that is a large part of 
 
 Variants, timed by ``mla bench decode``'s method (the outputs of all but "shipped" are wrong by
 design):
-  no_combine      the split kernel alone (the LSE combine of its float32 partials left out)
+  no_combine      the split kernel alone (the LSE combine of its partials left out)
   no_tiles        no key tiles: launch, query loads, stores and combine
   no_tiles_store  no_tiles, and the output or partial stores masked off
   carveout        shipped, after the combine kernel was asked for the largest shared-memory

@@ -897,10 +897,11 @@ def default_block_n(B: int, rows: int) -> int:
 
 def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> int:
     """Splits of the cache per sequence. More splits give each program fewer keys, but each
-    split leaves float32 partials (2 KB per query row) to write and combine: a step takes about
-    a + b L / S + c B rows S, best at S = sqrt(b L / (c B rows)). Fitted on the H200
-    (benchmarks/splits_sweep.py, 128 heads, batch 1, 4k: b = 0.019 us per key, c = 0.49 ns per
-    row and split) that is 6.2 sqrt(L / (B rows)); capped at ``waves`` waves of one-per-SM
+    split leaves partials (2 KB per query row in float32, 1 KB in 16 bits) to write and
+    combine: a step takes about a + b L / S + c B rows S, best at S = sqrt(b L / (c B rows)).
+    Fitted on the H200 with float32 partials (benchmarks/splits_sweep.py, 128 heads, batch 1,
+    4k: b = 0.019 us per key, c = 0.49 ns per row and split) that is 6.2 sqrt(L / (B rows));
+    not refitted for 16-bit ones; capped at ``waves`` waves of one-per-SM
     programs and one split per 64 keys (docs/PERF.md, "Fixed costs")."""
     ctas = B * triton.cdiv(rows, _BLOCK_M)
     per_seq = max(1, waves * _num_sms(device.index or 0) // max(ctas, 1))
