@@ -246,7 +246,7 @@ def _combine_kernel(
     stride_Lb, stride_Li,
     n_rows, H, DV, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-    PLANNED: tl.constexpr,
+    PLANNED: tl.constexpr, ROUND_STAGES: tl.constexpr,
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), for BLOCK_R query
     rows (m = i * H + h) and BLOCK_D output columns of one sequence, BLOCK_S splits at a time.
@@ -293,9 +293,9 @@ def _combine_kernel(
         p_rows += s_first * stride_ps
         num_splits = count
     # mixed lengths give a long sequence many slots (16 heads B 32, one 16k among 1k ones: 33 in
-    # rounds of 4): the rounds' loads pipelined two deep (cp.async into shared memory), so that
-    # each round does not wait out a whole memory latency after the one before
-    for s0 in tl.range(s_begin, num_splits, BLOCK_S, num_stages=2):
+    # rounds of 4): the rounds' loads pipelined ROUND_STAGES deep (2: cp.async into shared
+    # memory), so that each round does not wait out a whole memory latency after the one before
+    for s0 in tl.range(s_begin, num_splits, BLOCK_S, num_stages=ROUND_STAGES):
         m, total, acc = _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls,
                                       stride_ps, BLOCK_S)
     lmax = tl.where(m == float("-inf"), 0.0, m)
@@ -462,6 +462,11 @@ def combine(o_part, l_part, out, lse, info=None):
         raise ValueError("combine: o_part and out need unit stride in their last dim")
     per = S if info is None else S // B     # with info: the slots a sequence of equal lengths has
     bs, br, bd, warps = combine_tiles(per, H * s_q, dv, o_part.element_size())
+    # a round after the first comes only from a sequence with more slots than the tile holds:
+    # more than 256 equal splits, or mixed lengths (a plan over more than one sequence). Else
+    # one stage, without the pipeline's set-up and shared memory, used or not (sm_90a, a
+    # float32 [1, 64, 64] tile: 17664 -> 512 bytes; a bf16 [1, 256, 16] one: 1024 -> 512)
+    rounds = per > bs or (info is not None and B > 1)
     pdl = PDL and out.is_cuda and _sm_major(out.device.index or 0) >= 9
     _combine_kernel[(triton.cdiv(H * s_q, br), B, triton.cdiv(dv, bd))](
         o_part, l_part, out, lse, l_part if info is None else info,
@@ -470,7 +475,8 @@ def combine(o_part, l_part, out, lse, info=None):
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         H * s_q, H, dv, per,
-        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, num_warps=warps,
+        BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, ROUND_STAGES=2 if rounds else 1,
+        num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 
