@@ -294,10 +294,13 @@ def _combine_kernel(
         num_splits = count
     # mixed lengths give a long sequence many slots (16 heads B 32, one 16k among 1k ones: 33 in
     # rounds of 4): the rounds' loads pipelined ROUND_STAGES deep (2: cp.async into shared
-    # memory), so that each round does not wait out a whole memory latency after the one before
-    for s0 in tl.range(s_begin, num_splits, BLOCK_S, num_stages=ROUND_STAGES):
-        m, total, acc = _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls,
-                                      stride_ps, BLOCK_S)
+    # memory), so that each round does not wait out a whole memory latency after the one before.
+    # The branch keeps the pipeline's prologue (its predicated copies and waits) out of the
+    # programs that have no round left, as all have at equal lengths
+    if s_begin < num_splits:
+        for s0 in tl.range(s_begin, num_splits, BLOCK_S, num_stages=ROUND_STAGES):
+            m, total, acc = _combine_step(m, total, acc, l_rows, p_rows, s0, num_splits, r_ok, d, d_ok, stride_ls,
+                                          stride_ps, BLOCK_S)
     lmax = tl.where(m == float("-inf"), 0.0, m)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     o_rows = OUT + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
