@@ -284,19 +284,22 @@ def test_planned_results_partial_dtypes():
         decode.planned_results(out, torch.empty(3, 2, 5), 4, 100, torch.float16)
 
 
-@pytest.mark.parametrize("counts", [[300, 300, 300], [500, 100, 300], [1, 898, 1]], ids=["equal", "mixed", "skewed"])
-def test_cpu_planned_combine(counts):
+@pytest.mark.parametrize("counts,P", [([300, 300, 300], 900), ([500, 100, 300], 900), ([1, 898, 1], 900), ([3], 8)],
+                         ids=["equal", "mixed", "skewed", "one-short"])
+def test_cpu_planned_combine(counts, P):
     """The combine over the plan's slots (``planned_results``: P slots, sequence b's are info[b,
     0] .. + info[b, 1] - 1): the first round goes out for the slots of equal lengths (300 a
     sequence here, more than one round of 256), and is summed again where info says otherwise.
-    Against the float64 LSE merge of each sequence's own slots."""
-    B, s_q, H, dv = 3, 1, 2, 16
-    P = sum(counts)
+    "one-short": batch 1 (the rounds' loop in one stage) whose plan used 3 of 8 slots, the rest
+    NaN, which must not leak. Against the float64 LSE merge of each sequence's own slots."""
+    B, s_q, H, dv = len(counts), 1, 2, 16
     g = torch.Generator().manual_seed(len(set(counts)))
     o = torch.randn(P, s_q, H, dv, generator=g)
     ls = torch.randn(P, s_q, H, generator=g) * 4
     ls[torch.rand(P, s_q, H, generator=g) < 0.2] = float("-inf")
     o[torch.isinf(ls)] = 0.0
+    o[sum(counts):] = float("nan")
+    ls[sum(counts):] = float("nan")
     first = torch.tensor([0, *counts[:-1]]).cumsum(0)
     info = torch.stack([first, torch.tensor(counts)], 1).to(torch.int32)
     out = torch.empty(B, s_q, H, dv)
