@@ -2,6 +2,11 @@
 
 Notation (DeepSeek-V2 paper): hidden D, heads H, q_lora_rank rq (None for "lite"
 models), kv_lora_rank r, qk_nope_head_dim dn, qk_rope_head_dim dr, v_head_dim dv.
+
+``from_hf`` reads every MLA family transformers ships. What a family's attention does beyond
+DeepSeek-V3's is either a field here (RoPE pairing and type, a query temperature, LongCat's
+latent scales, the layers that are MLA) or refused with ``NotImplementedError`` naming the
+feature and the ``model_type``: a config key that changes the attention is never ignored.
 """
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = ["MLAConfig", "RopeScaling", "yarn_mscale"]
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -35,11 +44,17 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor: expected > 0, got {self.factor}")
-        if not self.original_max_position_embeddings > 0:
-            raise ValueError("rope_scaling.original_max_position_embeddings: expected > 0, "
-                             f"got {self.original_max_position_embeddings}")
+        for name in ("factor", "beta_fast", "beta_slow"):
+            v = getattr(self, name)
+            if not _real(v) or not 0 < v < math.inf:
+                raise ValueError(f"rope_scaling.{name}: expected a finite number > 0, got {v!r}")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            v = getattr(self, name)
+            if v is not None and (not _real(v) or not 0 <= v < math.inf):
+                raise ValueError(f"rope_scaling.{name}: expected a finite number >= 0 or None, got {v!r}")
+        o = self.original_max_position_embeddings
+        if not isinstance(o, int) or isinstance(o, bool) or o <= 0:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, got {o!r}")
 
     @property
     def cos_sin_scale(self) -> float:
@@ -49,6 +64,9 @@ class RopeScaling:
         if self.mscale and self.mscale_all_dim:
             return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
         return yarn_mscale(self.factor)
+
+
+ROPE_TYPES = ("default", "yarn", "none")
 
 
 @dataclass(frozen=True)
@@ -63,13 +81,23 @@ class MLAConfig:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # "default", "yarn" (with rope_scaling) or "none" (NoPE: q_pe and k_pe stay unrotated, as in
+    # Kimi Linear); None derives "yarn" or "default" from rope_scaling
+    rope_type: str | None = None
     rope_interleave: bool = True        # DeepSeek pairs (2i, 2i+1); False: neox pairs (i, i + dr/2)
     attention_bias: bool = False        # bias on q_a_proj (or q_proj), kv_a_proj_with_mqa and o_proj
     q_norm_eps: float = 1e-6            # transformers and DeepSeek use 1e-6 for both latent norms
     kv_norm_eps: float = 1e-6
-    # Llama-4 style query temperature: q *= log(floor((p + 1) / floor_scale) + 1) * beta + 1
+    # Llama-4 style query temperature as Mistral 4 applies it, at position p:
+    # q *= log(floor(p / floor_scale) + 1) * beta + 1
     temperature_floor_scale: float | None = None
     temperature_beta: float = 0.1
+    # LongCat-Flash multiplies q by sqrt(D / rq) and c_kv by sqrt(D / r); load_hf_state_dict folds
+    # them into q_b_proj and kv_a_layernorm, so the attention itself never sees them
+    q_lora_scale: float = 1.0
+    kv_lora_scale: float = 1.0
+    # the layers whose attention is MLA (Kimi Linear interleaves linear-attention layers); None: all
+    mla_layers: tuple[int, ...] | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -78,12 +106,34 @@ class MLAConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool)
+                                             or self.q_lora_rank <= 0):
             raise ValueError(f"q_lora_rank: expected a positive int or None, got {self.q_lora_rank!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: expected an even number, got {self.qk_rope_head_dim}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling: expected a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if self.rope_type is None:
+            object.__setattr__(self, "rope_type", "yarn" if self.rope_scaling is not None else "default")
+        if self.rope_type not in ROPE_TYPES or (self.rope_type == "yarn") != (self.rope_scaling is not None):
+            raise ValueError(f"rope_type: expected one of {ROPE_TYPES}, 'yarn' exactly when rope_scaling is set, "
+                             f"got {self.rope_type!r} with rope_scaling={self.rope_scaling}")
+        for f in ("rope_theta", "q_norm_eps", "kv_norm_eps", "q_lora_scale", "kv_lora_scale", "temperature_beta"):
+            v = getattr(self, f)
+            if not _real(v) or not 0 < v < math.inf:
+                raise ValueError(f"{f}: expected a finite number > 0, got {v!r}")
+        t = self.temperature_floor_scale
+        if t is not None and (not _real(t) or not 0 < t < math.inf):
+            raise ValueError(f"temperature_floor_scale: expected a finite number > 0 or None, got {t!r}")
+        if not isinstance(self.rope_interleave, bool) or not isinstance(self.attention_bias, bool):
+            raise ValueError(f"rope_interleave, attention_bias: expected bools, got {self.rope_interleave!r}, "
+                             f"{self.attention_bias!r}")
+        if self.q_lora_scale != 1.0 and self.q_lora_rank is None:
+            raise ValueError("q_lora_scale: expected 1.0 without a q_lora_rank (it scales q_b_proj's output)")
+        m = self.mla_layers
+        if m is not None and (not isinstance(m, tuple)
+                              or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in m)):
+            raise ValueError(f"mla_layers: expected a tuple of layer indices >= 0 or None, got {m!r}")
 
     # Derived sizes.
     @property
@@ -109,7 +159,10 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "MLAConfig":
-        """From a config.json dict or a transformers PretrainedConfig of DeepSeek-V2/V3 or Kimi K2."""
+        """From a config.json dict or a transformers PretrainedConfig of an MLA family (see
+        FAMILIES). Raises ValueError for a config without MLA fields or with invalid values, and
+        NotImplementedError naming the feature and the model_type for what the library does not
+        implement (a sparse indexer, an output gate, attention sinks, a RoPE type)."""
         if hasattr(hf_config, "to_dict"):
             hf_config = hf_config.to_dict()
         if not isinstance(hf_config, Mapping):
@@ -117,49 +170,51 @@ class MLAConfig:
         c = dict(hf_config)
         if c.get("text_config") and "kv_lora_rank" not in c:   # multimodal wrappers (Kimi-VL style)
             c = dict(c["text_config"])
+        model_type = str(c.get("model_type") or "unknown")
+        if model_type in REFUSED:
+            raise NotImplementedError(f"model_type {model_type!r}: mla does not implement {REFUSED[model_type]}")
         missing = [k for k in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                                "qk_rope_head_dim", "v_head_dim") if c.get(k) is None]
         if missing:
-            raise ValueError(f"hf_config: expected MLA fields {missing} (a DeepSeek-V2/V3 or Kimi K2 config), "
-                             f"got model_type {c.get('model_type')!r} without them")
-        rope = dict(c.get("rope_parameters") or {})
-        legacy = c.get("rope_scaling") or {}
-        if legacy and not rope.get("factor"):
-            rope.update(legacy)
+            raise ValueError(f"hf_config: expected MLA fields {missing} (an MLA family's config), "
+                             f"got model_type {model_type!r} without them")
+        _refuse_unimplemented(c, model_type)
+        family = FAMILIES.get(model_type, {})
+        rope = _rope_parameters(c)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        max_pos = c.get("max_position_embeddings")
+        if max_pos is None:
+            max_pos = c.get("model_max_length")    # Kimi Linear's key
         scaling = None
-        if rope_type == "yarn":
-            factor = rope.get("factor")
-            original = rope.get("original_max_position_embeddings")
-            if original is None:
-                raise ValueError("rope_scaling: expected original_max_position_embeddings for YaRN")
-            if factor is None:   # transformers' rule for configs without a factor
-                if c.get("max_position_embeddings") is None:
-                    raise ValueError("rope_scaling: expected a YaRN factor, or max_position_embeddings to derive it")
-                factor = c["max_position_embeddings"] / original
-            scaling = RopeScaling(
-                factor=float(factor), original_max_position_embeddings=int(original),
-                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-                attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
+        if family.get("nope"):
+            rope_type = "none"
+        elif rope_type == "yarn":
+            scaling = _yarn(rope, max_pos)
         elif rope_type != "default":
-            raise ValueError(f"rope_scaling: expected type 'yarn' or 'default', got {rope_type!r}")
-        llama4 = c.get("llama_4_scaling")
-        if llama4 is not None and not isinstance(llama4, Mapping):
-            llama4 = vars(llama4)
+            raise NotImplementedError(f"rope_parameters.rope_type: {rope_type!r} RoPE of model_type {model_type!r} "
+                                      "is not implemented (the library has 'default' and 'yarn')")
+        temperature = _temperature(c, rope)
         interleave = c.get("rope_interleave")
+        if isinstance(interleave, str) or (interleave is not None and not isinstance(interleave, (bool, int))):
+            raise ValueError(f"rope_interleave: expected a bool, got {interleave!r}")
+        interleave = family.get("interleave", True if interleave is None else bool(interleave))
+        scales = {}
+        if family.get("latent_scales"):
+            if c.get("q_lora_rank") is None:
+                raise NotImplementedError(f"model_type {model_type!r}: latent scales without q_lora_rank")
+            scales = dict(q_lora_scale=(c["hidden_size"] / c["q_lora_rank"]) ** 0.5,
+                          kv_lora_scale=(c["hidden_size"] / c["kv_lora_rank"]) ** 0.5)
         return cls(
             hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
             kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
             qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-            max_position_embeddings=c.get("max_position_embeddings") or 4096, rope_theta=float(theta),
-            rope_scaling=scaling, rope_interleave=True if interleave is None else bool(interleave),
-            attention_bias=bool(c.get("attention_bias", False)),
-            temperature_floor_scale=(float(llama4.get("original_max_position_embeddings", 8192))
-                                     if llama4 is not None else None),
-            temperature_beta=float(llama4.get("beta", 0.1)) if llama4 is not None else 0.1,
-            name=str(c.get("_name_or_path") or c.get("model_type") or "custom"))
+            max_position_embeddings=4096 if max_pos is None else max_pos, rope_theta=_number("rope_theta", theta),
+            rope_scaling=scaling, rope_type="none" if rope_type == "none" else None, rope_interleave=interleave,
+            attention_bias=_flag("attention_bias", c.get("attention_bias", False)),
+            temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
+            mla_layers=_mla_layers(c, model_type), **scales,
+            name=str(c.get("_name_or_path") or model_type))
 
     @classmethod
     def preset(cls, name: str) -> "MLAConfig":
@@ -167,6 +222,132 @@ class MLAConfig:
         if name not in PRESETS:
             raise ValueError(f"name: expected one of {sorted(PRESETS)}, got {name!r}")
         return dataclasses.replace(PRESETS[name], name=name)
+
+
+# model_type -> what its attention does beyond DeepSeek-V3's, where from_hf must know it:
+# interleave: the RoPE pairing its module always uses, whatever rope_interleave says (DeepSeek-V2
+# rotates complex pairs, MiniCPM3 neox halves, LongCat interleaved pairs); the other families read
+# rope_interleave (default True). nope: no RoPE at all. latent_scales: LongCat's sqrt(D / rank).
+FAMILIES: dict[str, dict] = {
+    "deepseek_v3": {}, "kimi_k2": {}, "axk1": {}, "youtu": {}, "glm4_moe_lite": {}, "mistral4": {},
+    "deepseek_v2": {"interleave": True},
+    "minicpm3": {"interleave": False},
+    "longcat_flash": {"interleave": True, "latent_scales": True},
+    "kimi_linear": {"nope": True},
+}
+
+# model_type -> the attention feature the library does not implement (NotImplementedError)
+REFUSED: dict[str, str] = {
+    "deepseek_v32": "the sparse indexer (DeepSeek Sparse Attention, index_topk)",
+    "glm_moe_dsa": "the sparse indexer (DeepSeek Sparse Attention, index_topk)",
+    "glm5_next": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
+    "glm5_next_text": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
+    "hy_v4": "the sigmoid output gate (gate_proj), attention sinks and the sparse indexer",
+    "axk2": "the fused q_gate_proj, the output gate and the sparse indexer",
+    "deepseek_v4": "DeepSeek-V4's attention (one 512-wide KV head with compressed and sliding-window "
+                   "layers: not MLA)",
+}
+
+# keys whose presence (not None) changes the attention in a way the library does not implement
+_UNIMPLEMENTED_KEYS = {
+    "index_topk": "the sparse indexer (index_topk)",
+    "index_n_heads": "the sparse indexer (index_n_heads)",
+    "indexer_types": "the sparse indexer (indexer_types)",
+    "learnable_sink_init": "attention sinks (learnable_sink_init)",
+    "attention_sinks": "attention sinks",
+    "gated_attention": "an output gate (gated_attention)",
+    "sliding_window": "sliding-window attention",
+}
+
+# layer_types entries that are MLA layers this library serves
+_MLA_LAYER_TYPES = ("full_attention", "attention", "mla")
+
+
+def _refuse_unimplemented(c: dict, model_type: str) -> None:
+    for key, feature in _UNIMPLEMENTED_KEYS.items():
+        if c.get(key) is not None:
+            raise NotImplementedError(f"{key}: mla does not implement {feature} (model_type {model_type!r})")
+    rope = _rope_parameters(c)
+    for key in ("short_factor", "long_factor"):
+        if rope.get(key) is not None:
+            raise NotImplementedError(f"rope_parameters.{key}: longrope RoPE of model_type {model_type!r} "
+                                      "is not implemented")
+
+
+def _rope_parameters(c: dict) -> dict:
+    """transformers 5's rope_parameters, or the legacy rope_scaling (config.json of DeepSeek)."""
+    rope, legacy = c.get("rope_parameters"), c.get("rope_scaling")
+    for name, v in (("rope_parameters", rope), ("rope_scaling", legacy)):
+        if v is not None and not isinstance(v, Mapping):
+            raise ValueError(f"{name}: expected a dict or None, got {v!r}"[:200])
+    rope = dict(rope or {})
+    if legacy and not rope.get("factor"):
+        rope.update(legacy)
+    return rope
+
+
+def _number(name: str, v) -> float:
+    if not _real(v) or not 0 < v < math.inf:
+        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}"[:200])
+    return float(v)
+
+
+def _flag(name: str, v) -> bool:
+    if not isinstance(v, bool) and v not in (0, 1):
+        raise ValueError(f"{name}: expected a bool, got {v!r}"[:200])
+    return bool(v)
+
+
+def _yarn(rope: dict, max_pos) -> RopeScaling:
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling: expected original_max_position_embeddings for YaRN")
+    if factor is None:   # transformers' rule for configs without a factor
+        if max_pos is None:
+            raise ValueError("rope_scaling: expected a YaRN factor, or max_position_embeddings to derive it")
+        factor = _number("max_position_embeddings", max_pos) / _number("rope_scaling.original_max_position_embeddings",
+                                                                        original)
+    return RopeScaling(
+        factor=_number("rope_scaling.factor", factor), original_max_position_embeddings=original,
+        beta_fast=_number("rope_scaling.beta_fast", rope.get("beta_fast") or 32),
+        beta_slow=_number("rope_scaling.beta_slow", rope.get("beta_slow") or 1),
+        mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"), truncate=_flag("rope_scaling.truncate", rope.get("truncate", True)))
+
+
+def _temperature(c: dict, rope: dict) -> tuple[float | None, float]:
+    """(floor_scale, beta) of the query temperature: Mistral 4 keeps llama_4_scaling_beta in its
+    rope_parameters (floor scale: original_max_position_embeddings); Mistral's own configs have a
+    llama_4_scaling dict."""
+    beta = rope.get("llama_4_scaling_beta")
+    if beta is not None:
+        floor = rope.get("original_max_position_embeddings")
+        if floor is None:
+            raise ValueError("rope_parameters: expected original_max_position_embeddings with llama_4_scaling_beta")
+        return _number("rope_parameters.original_max_position_embeddings", floor), \
+            _number("rope_parameters.llama_4_scaling_beta", beta)
+    llama4 = c.get("llama_4_scaling")
+    if llama4 is None:
+        return None, 0.1
+    if not isinstance(llama4, Mapping):
+        llama4 = vars(llama4)
+    return (_number("llama_4_scaling.original_max_position_embeddings",
+                    llama4.get("original_max_position_embeddings", 8192)),
+            _number("llama_4_scaling.beta", llama4.get("beta", 0.1)))
+
+
+def _mla_layers(c: dict, model_type: str) -> tuple[int, ...] | None:
+    """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear)."""
+    types = c.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"layer_types: expected a list of strings, got {types!r}"[:200])
+    unknown = sorted(set(types) - set(_MLA_LAYER_TYPES) - {"linear_attention"})
+    if unknown:
+        raise NotImplementedError(f"layer_types: {unknown} layers of model_type {model_type!r} are not implemented")
+    layers = tuple(i for i, t in enumerate(types) if t in _MLA_LAYER_TYPES)
+    return None if len(layers) == len(types) else layers
 
 
 _V3_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,

@@ -63,6 +63,9 @@ class MLA(nn.Module):
             raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if cfg.mla_layers is not None and layer_idx not in cfg.mla_layers:
+            raise ValueError(f"layer_idx: layer {layer_idx} of {cfg.name!r} is not an MLA layer (its MLA layers: "
+                             f"{list(cfg.mla_layers)})")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if parallel is not None:
@@ -115,19 +118,23 @@ class MLA(nn.Module):
         return self.W_UV[self.slice_start: self.slice_start + self.num_slice_heads]
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], prefix: str = "", strict: bool = True) -> None:
         """Load one layer from HF names (``prefix + "q_a_proj.weight"``, ...). Every tensor is
-        checked before any is copied. FP8 weights with ``weight_scale_inv`` are dequantized,
+        checked before any is copied: a missing or mis-shaped one, and with ``strict`` any tensor
+        under ``prefix`` the layer does not use (``strict=False`` skips those), raise ValueError
+        and leave the layer as it was. FP8 weights with ``weight_scale_inv`` are dequantized,
         except q_b_proj and o_proj, which stay FP8 with their block scales and run as
         block-scaled FP8 GEMMs (``mla.ops.fp8_linear``) when ``fp8_weights`` is "always", or
-        "auto" on a CUDA device (on the H200 1.2-1.55x faster than bf16 at decode sizes;
-        kv_a/q_a and kv_b_proj are dequantized: in FP8 they were slower there, W_UK/W_UV's
-        absorbed bmm 1.1-2.8x bf16's time at every batch; docs/PERF.md). A TP/CP share that
-        would split a 128-block is dequantized too."""
+        "auto" on a CUDA device, where they are faster at decode sizes (docs/PERF.md). A TP/CP
+        share that would split a 128-block is dequantized."""
+        if not isinstance(sd, Mapping):
+            raise ValueError(f"sd: expected a mapping of names to tensors, got {type(sd).__name__}")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix: expected a str, got {type(prefix).__name__}")
         lite = self.cfg.q_lora_rank is None
         fp8_names = ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",))
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
-        w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else ())
+        w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else (), strict=bool(strict))
         kept = dict.fromkeys(fp8_names)      # name -> this rank's (e4m3 weight, scales), or None
         for name in fp8_names:
             if isinstance(w[name], tuple):   # stored as e4m3 and asked for as such

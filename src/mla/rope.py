@@ -17,8 +17,11 @@ __all__ = ["inv_freq", "cos_sin", "apply_rope", "query_temperature"]
 
 
 def inv_freq(cfg: MLAConfig) -> torch.Tensor:
-    """[dr / 2] float32 inverse frequencies (default RoPE, or YaRN's per-frequency ramp)."""
+    """[dr / 2] float32 inverse frequencies (default RoPE, or YaRN's per-frequency ramp); zeros
+    for NoPE, so that every angle is 0 and the rotation is the identity (cos 1, sin 0, exactly)."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    if cfg.rope_type == "none":
+        return torch.zeros(dim // 2, dtype=torch.float32)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     s = cfg.rope_scaling
     if s is None:
@@ -61,8 +64,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def query_temperature(cfg: MLAConfig, positions: torch.Tensor) -> torch.Tensor | None:
-    """Llama-4 style per-position query scale [T] float32, or None when the config has none."""
+    """Llama-4 style per-position query scale [T] float32, or None when the config has none:
+    log(floor(p / floor_scale) + 1) * beta + 1 at position p, as Mistral 4's module computes it."""
     if cfg.temperature_floor_scale is None:
         return None
-    floor = torch.floor((positions.to(torch.float32) + 1.0) / cfg.temperature_floor_scale)
+    floor = torch.floor(positions.to(torch.float32) / cfg.temperature_floor_scale)
     return torch.log(floor + 1.0) * cfg.temperature_beta + 1.0

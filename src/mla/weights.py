@@ -96,14 +96,19 @@ def quantize_checkpoint_fp8(sd: dict[str, torch.Tensor], ue8m0: bool = False) ->
 
 
 def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "",
-                    keep_fp8: Collection[str] = ()) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+                    keep_fp8: Collection[str] = (), strict: bool = True
+                    ) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """Every tensor of one layer from a state dict, checked and dequantized (float32 where FP8),
     except the names in ``keep_fp8`` stored as float8_e4m3fn: those come as they are stored,
-    (weight, float32 block scales), ue8m0 scales turned to float32.
+    (weight, float32 block scales), ue8m0 scales turned to float32. LongCat's latent scales
+    (``cfg.q_lora_scale``, ``cfg.kv_lora_scale``) are folded into q_b_proj and kv_a_layernorm.
 
-    Raises ValueError naming the first missing or mis-shaped tensor, before anything is loaded.
+    Raises ValueError naming the first missing or mis-shaped tensor and, with ``strict``, every
+    tensor under ``prefix`` that the layer does not use (an indexer, a gate, sinks, a bias the
+    config does not have: loading without them would compute another attention), before
+    anything is loaded. ``strict=False`` skips such extras on purpose.
     """
-    out = {}
+    out, used = {}, set()
     for name, shape in hf_weight_shapes(cfg).items():
         key = prefix + name
         if key not in sd:
@@ -112,19 +117,44 @@ def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str 
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"state dict: expected {key!r} of shape {shape}, got {got}")
+        if t.is_meta:
+            raise ValueError(f"state dict: expected {key!r} with data, got a meta tensor")
+        used.add(key)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_key = key[: -len("weight")] + "weight_scale_inv"
             if scale_key not in sd:
                 raise ValueError(f"state dict: expected {scale_key!r} beside the FP8 tensor {key!r}")
+            scale = sd[scale_key]
+            if not isinstance(scale, torch.Tensor) or scale.is_meta:
+                raise ValueError(f"state dict: expected {scale_key!r} to be a tensor with data, got "
+                                 f"{type(scale).__name__ if not isinstance(scale, torch.Tensor) else 'a meta tensor'}")
+            used.add(scale_key)
             if name in keep_fp8 and t.dtype == torch.float8_e4m3fn:
-                _check_scale(t, sd[scale_key])
-                t = (t, scale_to_float(sd[scale_key]).float())
+                _check_scale(t, scale)
+                t = (t, scale_to_float(scale).float())
             else:
-                t = dequant_block_fp8(t, sd[scale_key])
+                t = dequant_block_fp8(t, scale)
         elif not t.is_floating_point():
             raise ValueError(f"state dict: expected a floating-point {key!r}, got {t.dtype}")
         out[name] = t
-    return out
+    if strict:
+        unused = sorted(k for k in sd if isinstance(k, str) and k.startswith(prefix) and k not in used)
+        if unused:
+            raise ValueError(f"state dict: {len(unused)} tensor(s) under prefix {prefix!r} that this layer does not "
+                             f"use: {unused[:8]} (pass strict=False to skip them on purpose)")
+    return _fold_latent_scales(cfg, out)
+
+
+def _fold_latent_scales(cfg: MLAConfig, w: dict) -> dict:
+    """LongCat's q *= sqrt(D / rq) into q_b_proj (its block scales where it stays FP8) and
+    c_kv *= sqrt(D / r) into kv_a_layernorm's weight: the attention then runs unchanged."""
+    if cfg.q_lora_scale != 1.0:
+        q_b = w["q_b_proj.weight"]
+        w["q_b_proj.weight"] = (q_b[0], q_b[1] * cfg.q_lora_scale) if isinstance(q_b, tuple) \
+            else q_b.float() * cfg.q_lora_scale
+    if cfg.kv_lora_scale != 1.0:
+        w["kv_a_layernorm.weight"] = w["kv_a_layernorm.weight"].float() * cfg.kv_lora_scale
+    return w
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
