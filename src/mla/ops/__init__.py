@@ -7,7 +7,7 @@ they run under Triton's interpreter). ``lse`` is float32 with the shape of ``out
 last dimension; a query with no visible key gets ``out = 0`` and ``lse = -inf``.
 
 The "triton" backend of each op family is a module or package here (``decode``, ``prefill``,
-``merge``, ``rope_append``, ``gather``, ``fp8_gemm``), imported on first use (Triton is
+``merge``, ``cache_append``, ``gather``, ``fp8_gemm``), imported on first use (Triton is
 optional); where a family has several kernels, its own dispatch chooses among them.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", 
 BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rope_append": "rope_append", "gather_latent": "gather", "quantize_act_1x128": "fp8_gemm",
+                   "rope_append": "cache_append", "gather_latent": "gather", "quantize_act_1x128": "fp8_gemm",
                    "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm"}
 
 

@@ -1,4 +1,4 @@
-"""Fused RoPE + latent-cache append: ``rope_append`` in one kernel.
+"""The rope_append kernel: fused RoPE + latent-cache append in one kernel.
 
 For every token t (one program per token and block of heads):
 
