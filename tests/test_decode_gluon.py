@@ -1,4 +1,4 @@
-"""The Gluon (sm90) decode hot path ``mla.ops.triton.decode_gluon`` against a float64 reference.
+"""The Hopper (sm90) decode kernels ``mla.ops.decode.gluon`` against a float64 reference.
 
 GPU-only: skipped without CUDA or without a compute-capability-9.x device. DeepSeek shapes
 (d = 576, dv = 512), bf16/fp16, page 64 and 128; fresh random data, shuffled block tables,
@@ -23,9 +23,11 @@ SM90 = CUDA and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not SM90, reason="needs an sm90 (Hopper) GPU")
 
 if SM90:
-    from mla.ops.triton import decode_gluon as dg
-    from mla.ops.triton import decode_gluon_narrow as dn
-    from mla.ops.triton import decode_gluon_fp8 as df
+    from mla.ops.decode import split_plan
+    from mla.ops.decode.gluon import common
+    from mla.ops.decode.gluon import fp8 as df
+    from mla.ops.decode.gluon import narrow as dn
+    from mla.ops.decode.gluon import seesaw as dg
 
 TILES = [64, 32]     # keys per tile: a ring of two or of four
 
@@ -56,9 +58,9 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
         deq = torch.float32 if e4m3_mma and kv_fmt == "fp8_tile" else dtype
         kv = quant.dequantize_rows(stored, kv_fmt, DV, deq, kv_scale).view(kv.shape)
         stored = stored.view(*kv.shape[:2], -1)
-    assert dg.supports(q, stored, block_size)
+    assert common.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)
-    launch = {"seesaw": dg.launch_gluon, "narrow": dn.launch_narrow, "fp8reg": df.launch_fp8}[kw.pop("kernel", "seesaw")]
+    launch = {"seesaw": dg.launch, "narrow": dn.launch, "fp8reg": df.launch}[kw.pop("kernel", "seesaw")]
     out, lse = launch(q, stored, table, seqlens, DV, scale, causal, kv_scale=kv_scale, **kw)
     assert out.shape == (len(lens), s_q, H, DV) and out.dtype == dtype
     assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
@@ -150,12 +152,13 @@ def test_split_partials_dtype(H, s_q, dtype, kv_fmt, part, block_n, monkeypatch)
     # output, rows not whole tiles) float32 partials from registers
     if kv_fmt != "plain" and block_n == 64:
         pytest.skip("FP8 rows are read in tiles of 32 keys")
-    seen, planned = [], dg.planned_results
+    seen, planned = [], split_plan.planned_results
 
     def spy(*args):
         seen.append(planned(*args))
         return seen[-1]
-    monkeypatch.setattr(dg, "planned_results", spy)
+    from mla.ops.decode import combine
+    monkeypatch.setattr(combine, "planned_results", spy)
     check([0, s_q, 700, 4099, 64], s_q, H, dtype=dtype, seed=H + s_q + 1, kv_fmt=kv_fmt, num_splits=5,
           block_n=block_n)
     assert [o.dtype for o, _, _ in seen] == [part]
@@ -225,7 +228,7 @@ def test_fp8_register_operands_splits_fp16_page128_non_causal():
                                                  ("fp8reg", 16, 1, "fp8"), ("fp8reg", 16, 2, "fp8"),
                                                  ("fp8reg", 3, 1, "fp8_tile")])
 def test_planned_split_skewed_lengths(kernel, H, s_q, kv_fmt):
-    """The split plan (``decode_gluon._planned_split``) at the default split count, where it
+    """The split plan (``split_plan.planned_split_gluon``) at the default split count, where it
     shares a long sequence out over most of the programs: one long sequence among short ones,
     empty ones and ones of a single key, and a batch whose lengths are all shorter than a split."""
     check([20000] + [700] * 13 + [0, s_q, 1, 65], s_q, H, seed=H + s_q, kv_fmt=kv_fmt, kernel=kernel)
@@ -254,19 +257,19 @@ def test_fp8_register_operands_refuses():
     tile = torch.zeros(4, 64, 656, device="cuda", dtype=torch.uint8)
     assert df.takes(q[:, :, :32], tile) and not df.takes(q, tile)
     with pytest.raises(ValueError, match="H \\* s_q <= 32"):
-        df.launch_fp8(q, kv, table, lens, DV, 0.1)
+        df.launch(q, kv, table, lens, DV, 0.1)
 
 
 @pytest.mark.parametrize("batch", [2, 32])
 def test_dispatch_picks_narrow_for_16_rows_from_batch_2(batch):
     import mla
-    from mla.ops.triton.decode import use_narrow
+    from mla.ops.decode import use_narrow
     g = torch.Generator().manual_seed(4)
     lens = torch.randint(1, 3000, (batch,), generator=g).tolist()
     q, kv, table, seqlens = make_case(lens, 1, 16, 64, torch.bfloat16, seed=4)
     assert use_narrow(q, kv) and not use_narrow(q[:1], kv) and not use_narrow(q.expand(batch, 2, 16, DV + DR), kv)
     out, lse = mla.ops.mla_decode(q, kv, table, seqlens, DV, 0.1)
-    ref_out, ref_lse = dn.launch_narrow(q, kv, table, seqlens, DV, 0.1)
+    ref_out, ref_lse = dn.launch(q, kv, table, seqlens, DV, 0.1)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
@@ -277,7 +280,7 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; 32 rows the
     e4m3 kernel; the op gives the chosen kernel's bits, for per-tensor and tile rows."""
     import mla
-    from mla.ops.triton import decode
+    from mla.ops import decode
     g = torch.Generator().manual_seed(6 + batch)
     lens = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
     lens[0] = max_len
@@ -294,34 +297,34 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
         assert decode.choose_kernel(q, cache, DV, cap) == kernel
         out, lse = mla.ops.mla_decode(q, cache, table, seqlens, DV, 0.1)
         if kernel == "fp8":
-            ref_out, ref_lse = df.launch_fp8(q, cache, table, seqlens, DV, 0.1)
+            ref_out, ref_lse = df.launch(q, cache, table, seqlens, DV, 0.1)
         else:
-            ref_out, ref_lse = decode.launch(q, cache, table, seqlens, DV, 0.1, True, decode.default_config(q, cap))
+            ref_out, ref_lse = decode.portable.launch(q, cache, table, seqlens, DV, 0.1, True,
+                                                      decode.portable.default_config(q, cap))
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.parametrize("kernel", ["seesaw", "narrow", "fp8reg"])
 def test_dependent_launch_same_bits(kernel, monkeypatch):
-    """Launched as programmatic dependents (decode.PDL, at most 32 rows) the kernels wait for
+    """Launched as programmatic dependents (pdl, at most 32 rows) the kernels wait for
     the kernels before them: the same bits as in plain stream order, eagerly and replayed from a
     CUDA graph right after a kernel that rewrites the query, with one split and with several."""
-    from mla.ops.triton import decode
+    from mla.ops import decode
     q, kv, table, seqlens = make_case([5, 4000, 700, 64 * 20], 1, 16, 64, torch.bfloat16, seed=12)
     if kernel == "fp8reg":
         kv = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8", DV, 1.0).view(*kv.shape[:2], -1)
-    launch = {"seesaw": dg.launch_gluon, "narrow": dn.launch_narrow, "fp8reg": df.launch_fp8}[kernel]
+    launch = {"seesaw": dg.launch, "narrow": dn.launch, "fp8reg": df.launch}[kernel]
     q0 = q.clone()
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(decode, "PDL", pdl)
         for S in (1, 5):
             q.fill_(float("nan"))
             q.copy_(q0)          # the write the kernel must wait for
-            eager = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S)
+            eager = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S, pdl=pdl)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 q.copy_(q0)
-                graphed = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S)
+                graphed = launch(q, kv, table, seqlens, DV, 0.1, num_splits=S, pdl=pdl)
             q.fill_(float("nan"))
             graphed[0].fill_(float("nan"))
             g.replay()
@@ -337,15 +340,15 @@ def test_dependent_launch_same_bits(kernel, monkeypatch):
 def test_entry_point_and_graph_capture():
     q, kv, table, seqlens = make_case([1000, 3000], 2, 16, 64, torch.bfloat16, seed=9)
     scale = 1 / math.sqrt(576)
-    dg.mla_decode_gluon(q, kv.unsqueeze(2), table, seqlens, DV, scale, True)
+    dg.launch(q, kv.unsqueeze(2), table, seqlens, DV, scale, True)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out, lse = dg.mla_decode_gluon(q, kv, table, seqlens, DV, scale, True)
+        out, lse = dg.launch(q, kv, table, seqlens, DV, scale, True)
     seqlens.copy_(torch.tensor([900, 2500], dtype=torch.int32))
     g.replay()
     torch.cuda.synchronize()
-    ref_out, ref_lse = dg.mla_decode_gluon(q, kv, table, seqlens, DV, scale, True)
+    ref_out, ref_lse = dg.launch(q, kv, table, seqlens, DV, scale, True)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
 
@@ -353,15 +356,15 @@ def test_entry_point_and_graph_capture():
 def test_supports_rejects():
     q = torch.randn(1, 1, 16, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(4, 64, 576, device="cuda", dtype=torch.bfloat16)
-    assert dg.supports(q, kv, 64)
-    assert not dg.supports(q, kv[:, :32], 32)                      # block_size not a multiple of 64
-    assert not dg.supports(q.float(), kv.float(), 64)              # fp32
-    assert not dg.supports(q[..., :320], kv[..., :320], 64)        # other head dims
-    assert not dg.supports(q.cpu(), kv.cpu(), 64)
-    assert not dg.supports(q, kv[::2], 64)                         # blocks not one row matrix
-    assert dg.supports(q, kv.to(torch.float8_e4m3fn), 64)
-    assert dg.supports(q, torch.zeros(4, 64, 656, dtype=torch.uint8, device="cuda"), 64)
-    assert not dg.supports(q, torch.zeros(4, 64, 576, dtype=torch.uint8, device="cuda"), 64)   # tile rows are 656 B
+    assert common.supports(q, kv, 64)
+    assert not common.supports(q, kv[:, :32], 32)                      # block_size not a multiple of 64
+    assert not common.supports(q.float(), kv.float(), 64)              # fp32
+    assert not common.supports(q[..., :320], kv[..., :320], 64)        # other head dims
+    assert not common.supports(q.cpu(), kv.cpu(), 64)
+    assert not common.supports(q, kv[::2], 64)                         # blocks not one row matrix
+    assert common.supports(q, kv.to(torch.float8_e4m3fn), 64)
+    assert common.supports(q, torch.zeros(4, 64, 656, dtype=torch.uint8, device="cuda"), 64)
+    assert not common.supports(q, torch.zeros(4, 64, 576, dtype=torch.uint8, device="cuda"), 64)   # tile rows are 656 B
     with pytest.raises(ValueError, match="block_n"):
-        dg.launch_gluon(q, kv.to(torch.float8_e4m3fn), torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+        dg.launch(q, kv.to(torch.float8_e4m3fn), torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
                         torch.ones(1, dtype=torch.int32, device="cuda"), DV, 0.1, block_n=64)

@@ -1,4 +1,5 @@
-"""The Triton decode kernel (``mla.ops.triton.decode``) against a float64 reference.
+"""The portable Triton decode kernel (``mla.ops.decode.portable``), its combine and split plan and
+the decode dispatch (``mla.ops.decode``) against a float64 reference.
 
 On CPU the kernel runs under Triton's interpreter: float32 and float16 only (the
 3.6 interpreter computes tl.dot on bf16 wrongly) and tiny shapes (d = 64 + 16).
@@ -18,7 +19,9 @@ import pytest
 import torch
 
 from mla.ops import reference
-from mla.ops.triton import decode
+from mla.ops import decode
+from mla.ops.decode import combine as dcombine
+from mla.ops.decode import portable, split_plan
 
 CUDA = torch.cuda.is_available()
 
@@ -74,12 +77,12 @@ def attend(q, kv, table, seqlens, dv, scale, causal, dtype):
 
 
 def check(lens, s_q, H, dv, dr, block_size, dtype, device, causal=True, seed=0, cfg=None):
-    """cfg: the portable kernel's schedule (default: ``decode.default_config``)."""
+    """cfg: the portable kernel's schedule (default: ``portable.default_config``)."""
     q, kv, table, seqlens = make_case(lens, s_q, H, dv, dr, block_size, dtype, device, seed)
     scale = 1.0 / math.sqrt(dv + dr)
     # the portable Triton kernel itself (mla_decode may hand 64-row tiles to the Gluon kernel)
-    out, lse = decode.launch(q, kv, table, seqlens, dv, scale, causal,
-                             cfg or decode.default_config(q, table.shape[1] * kv.shape[1]))
+    out, lse = portable.launch(q, kv, table, seqlens, dv, scale, causal,
+                             cfg or portable.default_config(q, table.shape[1] * kv.shape[1]))
     assert out.shape == (len(lens), s_q, H, dv) and out.dtype == dtype
     assert lse.shape == (len(lens), s_q, H) and lse.dtype == torch.float32
     ref_out, ref_lse = attend(q, kv, table, seqlens, dv, scale, causal, torch.float64)
@@ -128,7 +131,7 @@ def test_cpu_non_causal(dtype):
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_cpu_plan_shares_programs_by_length(splits, monkeypatch):
-    """The split plan (``decode._planned_split``): num_splits * B programs shared out by length.
+    """The split plan (``split_plan.planned_split``): num_splits * B programs shared out by length.
     Each sequence's programs are a run of its own (info: first, count), the runs cover all the
     programs in order, every sequence has one, the long sequence gets the most, and the busiest
     program has the fewest 16-key chunks any T allows (a scan over every T, the oracle of the
@@ -184,23 +187,23 @@ def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
 def plan_info(lens, splits, monkeypatch):
     """``check`` on lens at a fixed split count; returns the plan's info [B, 2] (first, count)."""
     seen = {}
-    planned = decode.planned_results
+    planned = split_plan.planned_results
 
     def spy(*args):
         o, l_, info = planned(*args)
         seen["info"] = info
         return o, l_, info
-    monkeypatch.setattr(decode, "planned_results", spy)
-    cfg = decode.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits)
+    monkeypatch.setattr(dcombine, "planned_results", spy)
+    cfg = portable.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits)
     check(lens, 2, 3, dv=64, dr=16, block_size=16, dtype=torch.float32, device="cpu", seed=splits, cfg=cfg)
     return seen["info"]
 
 
 def test_plan_range_is_checked():
     out, lse = torch.empty(4, 1, 2, 8), torch.empty(4, 1, 2)
-    decode.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16)
+    split_plan.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16)
     with pytest.raises(ValueError, match="block_table"):
-        decode.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16 + 1)
+        split_plan.planned_results(out, lse, 33, (2 ** 31 - 1) // 33 * 16 + 1)
 
 
 def test_cpu_odd_dims():
@@ -232,7 +235,7 @@ def check_combine(S, B, s_q, H, dv, out_dtype, device, seed=0, part_dtype=torch.
     o_part = o_part.to(device)
     out = torch.empty(B, s_q, H, dv, dtype=out_dtype, device=device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=device)
-    decode.combine(o_part, l_part.to(device), out, lse)
+    dcombine.combine(o_part, l_part.to(device), out, lse)
     o_part = o_part.double().cpu()
     ref_lse = torch.logsumexp(l_part.double(), 0)
     w = torch.exp(l_part.double() - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0))
@@ -261,9 +264,9 @@ def test_cpu_combine_fp16_out_and_wide_rows():
     # 16-bit tiles (combine_tiles): up to 16 splits rows x 512 columns on four warps, beyond one warp
     check_combine(16, 1, 1, 3, 512, torch.float16, "cpu", seed=16, part_dtype=torch.float16)
     check_combine(40, 1, 2, 3, 512, torch.float16, "cpu", seed=40, part_dtype=torch.float16)
-    assert decode.combine_tiles(16, 3, 512, 2) == (16, 2, 512, 4)
-    assert decode.combine_tiles(40, 6, 512, 2) == (64, 1, 64, 1)
-    assert decode.combine_tiles(16, 3, 512, 4) == (16, 1, 256, 4)      # float32: as before
+    assert dcombine.combine_tiles(16, 3, 512, 2) == (16, 2, 512, 4)
+    assert dcombine.combine_tiles(40, 6, 512, 2) == (64, 1, 64, 1)
+    assert dcombine.combine_tiles(16, 3, 512, 4) == (16, 1, 256, 4)      # float32: as before
 
 
 def test_planned_results_partial_dtypes():
@@ -273,15 +276,15 @@ def test_planned_results_partial_dtypes():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         out, lse = torch.empty(3, 2, 5, 8, dtype=dtype), torch.empty(3, 2, 5)
         for part in {torch.float32, dtype}:
-            o, l_, info = decode.planned_results(out, lse, 4, 100, part)
+            o, l_, info = split_plan.planned_results(out, lse, 4, 100, part)
             assert o.dtype == part and l_.dtype == torch.float32
             assert o.shape == (12, 3, 2, 5, 8) and l_.shape == (12, 3, 2, 5) and info.shape == (3, 2)
             assert o.stride(1) == 0 and o[:, 0].is_contiguous()      # slot p's rows at p * rows (the TMA boxes)
-        o1, l1, _ = decode.planned_results(out, lse, 1, 100)
+        o1, l1, _ = split_plan.planned_results(out, lse, 1, 100)
         assert o1.data_ptr() == out.data_ptr() and l1.data_ptr() == lse.data_ptr()
     out = torch.empty(3, 2, 5, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="part_dtype"):
-        decode.planned_results(out, torch.empty(3, 2, 5), 4, 100, torch.float16)
+        split_plan.planned_results(out, torch.empty(3, 2, 5), 4, 100, torch.float16)
 
 
 @pytest.mark.parametrize("counts,P", [([300, 300, 300], 900), ([500, 100, 300], 900), ([1, 898, 1], 900), ([3], 8)],
@@ -304,7 +307,7 @@ def test_cpu_planned_combine(counts, P):
     info = torch.stack([first, torch.tensor(counts)], 1).to(torch.int32)
     out = torch.empty(B, s_q, H, dv)
     lse = torch.empty(B, s_q, H)
-    decode.combine(o.unsqueeze(1).expand(P, B, s_q, H, dv), ls.unsqueeze(1).expand(P, B, s_q, H), out, lse, info)
+    dcombine.combine(o.unsqueeze(1).expand(P, B, s_q, H, dv), ls.unsqueeze(1).expand(P, B, s_q, H), out, lse, info)
     for b in range(B):
         sl = slice(int(first[b]), int(first[b]) + counts[b])
         ref_lse = torch.logsumexp(ls[sl].double(), 0)
@@ -374,11 +377,10 @@ def test_gpu_combine_dependent_launch(monkeypatch):
     scale = 1 / math.sqrt(576)
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(decode, "PDL", pdl)
-        eager = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+        eager = decode.mla_decode(q, kv, table, seqlens, 512, scale, True, pdl=pdl)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            graphed = decode.mla_decode(q, kv, table, seqlens, 512, scale, True)
+            graphed = decode.mla_decode(q, kv, table, seqlens, 512, scale, True, pdl=pdl)
         graphed[0].fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
@@ -392,13 +394,13 @@ def test_gpu_combine_dependent_launch(monkeypatch):
 def test_cpu_launch_refused_where_the_interpreter_breaks(monkeypatch):
     """With numpy >= 2.4 under Triton 3.6 a CPU launch raises before the interpreter runs
     (a launch failing inside it broke later Gluon compiles in the process) and writes nothing."""
-    import mla.ops.triton as mt
+    import mla.ops._jit as mt
 
     monkeypatch.setattr(mt, "INTERPRETER_BROKEN", True)
     o, lse_p = torch.randn(3, 1, 1, 2, 16), torch.randn(3, 1, 1, 2)
     out, lse = torch.full((1, 1, 2, 16), 7.0), torch.full((1, 1, 2), 7.0)
     with pytest.raises(RuntimeError, match="numpy < 2.4"):
-        decode.combine(o, lse_p, out, lse)
+        dcombine.combine(o, lse_p, out, lse)
     assert (out == 7.0).all() and (lse == 7.0).all()
 
 
@@ -406,7 +408,7 @@ def test_combine_rejects_strided_rows():
     o_part, l_part = torch.zeros(2, 1, 1, 3, 32)[..., ::2], torch.zeros(2, 1, 1, 3)
     out, lse = torch.full((1, 1, 3, 16), 7.0), torch.full((1, 1, 3), 7.0)
     with pytest.raises(ValueError, match="o_part and out need unit stride"):
-        decode.combine(o_part, l_part, out, lse)
+        dcombine.combine(o_part, l_part, out, lse)
     assert (out == 7.0).all() and (lse == 7.0).all()
 
 
@@ -414,9 +416,9 @@ def test_gluon_split_rule_on_132_sms(monkeypatch):
     # host-only: about sqrt(b L / (c B rows)) splits per sequence, a count that gives each split
     # of the longest sequence a whole number of 64-key tiles, within one wave of one-per-SM
     # programs (the counts measured best on the H200, or what the caps leave of them)
-    from mla.ops.triton import decode_gluon as dg
+    from mla.ops.decode.gluon import common as dg
 
-    monkeypatch.setattr(dg, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(dg, "num_sms", lambda index: 132)
     dev = torch.device("cuda", 0)
     cases = {  # (B, rows, L): splits
         (1, 128, 1024): 16, (1, 128, 2048): 32, (1, 128, 4096): 32, (1, 128, 8192): 43, (1, 128, 16384): 64,
@@ -429,23 +431,21 @@ def test_gluon_split_rule_on_132_sms(monkeypatch):
 
 
 def test_gluon_dependent_launch_rule(monkeypatch):
-    # host-only: the Gluon kernels are programmatic dependents with decode.PDL and at most 32
-    # query rows (where it measured faster on the H200), in plain stream order otherwise
-    from mla.ops.triton import decode_gluon as dg
+    # host-only: the Gluon kernels are programmatic dependents with pdl and at most 32 query rows
+    # (where it measured faster on the H200), in plain stream order otherwise
+    from mla.ops.decode.gluon import common as dg
 
-    monkeypatch.setattr(decode, "PDL", True)
-    assert dg.pdl_launch(16) == dg.pdl_launch(32) == {"launch_pdl": True}
+    assert dg.pdl_launch(16) == dg.pdl_launch(32, True) == {"launch_pdl": True}
     assert dg.pdl_launch(33) == dg.pdl_launch(128) == {}
-    monkeypatch.setattr(decode, "PDL", False)
-    assert dg.pdl_launch(16) == {}
+    assert dg.pdl_launch(16, False) == {}
 
 
 def test_thread_major_layout_is_a_permutation_by_thread():
-    # host-only: decode_gluon.thread_major puts register k of thread t of a warpgroup layout at
+    # host-only: common.thread_major puts register k of thread t of a warpgroup layout at
     # word 128 k + t: its offset bases are the lane, warp and register bases in that order, and
     # every element of the tensor gets exactly one word
-    from mla.ops.triton import decode_gluon as dg
-    from mla.ops.triton import decode_gluon_fp8 as df
+    from mla.ops.decode.gluon import common as dg
+    from mla.ops.decode.gluon import fp8 as df
 
     ol = df._o_layout()
     sl = dg.thread_major(ol)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import mla
 from mla.ops import reference
-from mla.ops.triton import fp8_gemm
+from mla.ops import fp8_gemm
 from mla.weights import dequant_block_fp8, quantize_block_fp8
 
 CUDA = torch.cuda.is_available()

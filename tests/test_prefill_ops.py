@@ -127,42 +127,44 @@ def test_flashinfer_first_call_failure_falls_back_cpu(monkeypatch):
     # FlashInfer installed but its first call fails (its JIT compile, e.g. without a CUDA
     # toolkit): one warning, the op's own path gives the answer, and that configuration
     # never tries FlashInfer again; the rule itself is forced on (it needs a Hopper GPU)
-    from mla.ops.triton import prefill as tp
+    from mla.ops.prefill import FlashInferWorkspace, peers
 
     fake = _FakeFlashInfer(fail_plan_until=1)
-    monkeypatch.setattr(tp, "_flashinfer", lambda: fake)
-    monkeypatch.setattr(tp, "use_flashinfer", lambda *a: True)
-    monkeypatch.setattr(tp, "_fi_wrappers", {})
-    monkeypatch.setattr(tp, "_fi_workspace", {})
+    monkeypatch.setattr(peers, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(peers, "use_flashinfer", lambda *a: True)
+    ws = FlashInferWorkspace()
     lq, H, dq, dv = [5, 9], 3, 24, 16
     cu, off = _cu(lq), tuple(_cu(lq).tolist())
     q, k, v = torch.randn(sum(lq), H, dq), torch.randn(sum(lq), H, dq), torch.randn(sum(lq), H, dv)
     with pytest.warns(RuntimeWarning, match="FlashInfer failed on its first call"):
-        out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+        out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton",
+                                     workspace=ws)
     _check_attention(out, lse, q, k, v, cu, cu, 0.3, True)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        again, _ = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+        again, _ = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton",
+                                     workspace=ws)
     assert torch.equal(again, out) and (fake.made, fake.plans, fake.runs) == (1, 1, 0)
 
 
 def test_flashinfer_later_failure_raises_cpu(monkeypatch):
     # once a configuration has worked, an error is an error: it propagates
-    from mla.ops.triton import prefill as tp
+    from mla.ops.prefill import FlashInferWorkspace, peers
 
     fake = _FakeFlashInfer(fail_plan_until=0, fail_run_after=1)
-    monkeypatch.setattr(tp, "_flashinfer", lambda: fake)
-    monkeypatch.setattr(tp, "use_flashinfer", lambda *a: True)
-    monkeypatch.setattr(tp, "_fi_wrappers", {})
-    monkeypatch.setattr(tp, "_fi_workspace", {})
+    monkeypatch.setattr(peers, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(peers, "use_flashinfer", lambda *a: True)
+    ws = FlashInferWorkspace()
     lq, H = [4, 6], 2
     cu, off = _cu(lq), tuple(_cu(lq).tolist())
     q, k, v = torch.randn(10, H, 24), torch.randn(10, H, 24), torch.randn(10, H, 16)
-    out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+    out, lse = prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton",
+                                     workspace=ws)
     assert not out.any() and not lse.any()      # the fake's zeros: FlashInfer served
     with pytest.raises(RuntimeError, match="after it worked"):
-        prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton")
+        prefill_attention(q, k, v, cu, cu, 0.3, True, offsets_q=off, offsets_k=off, backend="triton",
+                                     workspace=ws)
 
 
 def test_prefill_strided_views_cpu():
@@ -341,11 +343,11 @@ def test_prefill_attention_gpu(heads, lq, lk):
 
 
 def _flashinfer_or_skip():
-    from mla.ops.triton import prefill as tp
+    from mla.ops.prefill import peers
 
-    if torch.cuda.get_device_capability() != (9, 0) or tp._flashinfer() is None:
+    if torch.cuda.get_device_capability() != (9, 0) or peers._flashinfer() is None:
         pytest.skip("FlashInfer's fa3 prefill: sm90 with flashinfer installed")
-    return tp
+    return peers
 
 
 @gpu
@@ -363,7 +365,7 @@ def test_prefill_attention_flashinfer_gpu(heads, lq, lk, causal):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tp.prefill_attention(q, k, v, cu_q, cu_k, scale, causal, None, None, kw["offsets_q"], kw["offsets_k"])
+        prefill_attention(q, k, v, cu_q, cu_k, scale, causal, **kw, kernel="flashinfer")
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -389,7 +391,7 @@ def test_prefill_attention_flashinfer_strided_views_gpu():
 def test_prefill_attention_flashinfer_refuses_gpu():
     # a causal sequence with fewer keys than queries leaves queries with no key: not
     # FlashInfer's to define, so the Triton kernel serves (out 0, lse -inf for those rows);
-    # the same for views TMA cannot read, float16 (not yet checked) and with FLASHINFER off
+    # the same for views TMA cannot read and float16 (not yet checked); kernel= forces a path
     tp = _flashinfer_or_skip()
     lq, lk = [100, 64], [50, 64]
     kw = dict(offsets_q=tuple(_cu(lq).tolist()), offsets_k=tuple(_cu(lk).tolist()))
@@ -402,18 +404,17 @@ def test_prefill_attention_flashinfer_refuses_gpu():
     assert not tp.use_flashinfer(shifted, k, v, False, kw["offsets_q"], kw["offsets_k"])
     out, _ = prefill_attention(shifted, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False, **kw)
     assert torch.equal(out, prefill_attention(q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False)[0])
-    was, tp.FLASHINFER = tp.FLASHINFER, False
-    try:
-        assert not tp.use_flashinfer(q, k, v, False, kw["offsets_q"], kw["offsets_k"])
-    finally:
-        tp.FLASHINFER = was
+    with pytest.raises(ValueError, match="kernel: 'flashinfer' does not serve"):
+        prefill_attention(shifted, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False, **kw, kernel="flashinfer")
+    forced, _ = prefill_attention(q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 0.1, False, **kw, kernel="triton")
+    assert torch.equal(forced, out)
 
 
 @gpu
 def test_equal_lengths_chosen_without_reading_offsets_gpu():
     # B sequences of n rows with the longest lengths given: the choice reads nothing back
     # (a device read would raise under the sync debug mode); without them it reads once
-    from mla.ops.triton import prefill as tp
+    from mla.ops.prefill import peers as tp
 
     if not (torch.cuda.get_device_capability()[0] >= 9
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")):

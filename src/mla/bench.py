@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
 # ---------------------------------------------------------------- decode
 def decode_variant(name: str, cfg):
-    """A Triton schedule derived from the default one (mla.ops.triton.decode.default_config).
+    """A Triton schedule derived from the default one (mla.ops.decode.portable.default_config).
 
     ``default``, or dash-separated changes: ``w8`` warps, ``n32`` keys per tile, ``m32`` query
     rows per program, ``s3`` pipeline stages, ``x2`` / ``h2`` splits times / divided by 2,
@@ -136,13 +136,13 @@ def decode_case(H, B, L, s_q, page, seed=0, kv_format="bf16"):
 
 
 def _triton_provider(variant):
-    from mla.ops.triton import decode as tdec
+    from mla.ops.decode import portable
 
     def make(c):
-        cfg = decode_variant(variant, tdec.default_config(c["q"], c["table"].shape[1] * c["page"]))
+        cfg = decode_variant(variant, portable.default_config(c["q"], c["table"].shape[1] * c["page"]))
 
         def call(kv):
-            return tdec.launch(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True, cfg)[0]
+            return portable.launch(c["q"], kv, c["table"], c["seqlens"], DL, c["scale"], True, cfg)[0]
         return call, cfg
     return make
 
@@ -152,12 +152,11 @@ GLUON_KERNELS = ("gluon:seesaw", "gluon:narrow", "gluon:fp8reg")
 
 def _gluon_provider(name):
     """One Hopper kernel by name, whatever the dispatch would pick: gluon:seesaw (query rows
-    on M, ``decode_gluon``), gluon:narrow (keys on M, ``decode_gluon_narrow``) or gluon:fp8reg
-    (FP8 rows, e4m3 MMAs for S, ``decode_gluon_fp8``)."""
-    from mla.ops.triton import decode_gluon, decode_gluon_fp8, decode_gluon_narrow
+    on M, ``mla.ops.decode.gluon.seesaw``), gluon:narrow (keys on M, ``gluon.narrow``) or
+    gluon:fp8reg (FP8 rows, e4m3 MMAs for S, ``gluon.fp8``)."""
+    from mla.ops.decode.gluon import fp8, narrow, seesaw
 
-    launch = {"gluon:seesaw": decode_gluon.launch_gluon, "gluon:narrow": decode_gluon_narrow.launch_narrow,
-              "gluon:fp8reg": decode_gluon_fp8.launch_fp8}[name]
+    launch = {"gluon:seesaw": seesaw.launch, "gluon:narrow": narrow.launch, "gluon:fp8reg": fp8.launch}[name]
 
     def make(c):
         def call(kv):
@@ -167,7 +166,7 @@ def _gluon_provider(name):
 
 
 def _op_provider():
-    """The public op as the library dispatches it (Gluon or Triton kernel, mla/ops/triton/decode.py)."""
+    """The public op as the library dispatches it (Gluon or Triton kernel, mla.ops.decode.choose_kernel)."""
     from mla.ops import mla_decode
 
     def make(c):
@@ -269,7 +268,7 @@ def run_decode(args) -> int:
 
     variants = [v for v in args.variants.split(",") if v and not v.startswith("gluon:")]
     kernels = [v for v in args.variants.split(",") if v.startswith("gluon:")]
-    from mla.ops.triton.decode import DecodeConfig
+    from mla.ops.decode.portable import DecodeConfig
 
     for v in variants:
         decode_variant(v, DecodeConfig())  # unknown parts fail here, before any GPU work

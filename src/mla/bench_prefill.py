@@ -4,7 +4,7 @@
 
 Providers of prefill_attention share one signature (packed varlen q, k, v, cu_seqlens):
 our Triton kernel in several tile configs, the library op (``mla.ops.prefill_attention``,
-which applies the rule in ``mla/ops/triton/prefill.py``), PyTorch's cuDNN attention with
+which applies the rule of ``mla.ops.prefill``), PyTorch's cuDNN attention with
 log-sum-exp, SDPA's default (no LSE), the memory-efficient and flash kernels through their
 aten ops, FlashInfer's fa3 ragged prefill where it imports (a peer, with LSE), and the
 float32 PyTorch reference ("naive", up to 4k x 4k per sequence). Each is timed in ROUNDS
@@ -57,7 +57,8 @@ def _pairs(lq, lk, causal=True):
 
 def _providers():
     from mla.ops import prefill_attention, reference
-    from mla.ops.triton import prefill as tp
+    from mla.ops.prefill import peers
+    from mla.ops.prefill import triton as tp
 
     def triton_cfg(cfg):
         return lambda q, k, v, cq, ck, lq, lk, s: tp.launch(q, k, v, cq, ck, s, True, cfg)
@@ -65,7 +66,7 @@ def _providers():
     def cudnn_lse(q, k, v, cq, ck, lq, lk, s):
         if not (lq == lk and len(set(lq)) == 1):
             return None
-        return tp.cudnn_prefill(q, k, v, len(lq), s, True)
+        return peers.cudnn_prefill(q, k, v, len(lq), s, True)
 
     def cudnn_raw(q, k, v, cq, ck, lq, lk, s):    # the same call without converting out/lse back
         if not (lq == lk and len(set(lq)) == 1):

@@ -19,13 +19,23 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8", "FP8_MAX", "TILE", "CACHE_FORMATS", "row_width", "storage_dtype", "quantize_rows",
+__all__ = ["FP8", "FP8_MAX", "TILE", "CACHE_FORMATS", "cache_format", "row_width", "storage_dtype", "quantize_rows",
            "dequantize_rows", "scale_to_float"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TILE = 128
 CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
+
+
+def cache_format(kv_cache: torch.Tensor) -> str:
+    """The format of a cache's rows, from its dtype: "plain" (rows in a float dtype), "fp8"
+    (float8_e4m3fn, per-tensor scale) or "fp8_tile" (uint8 rows of the FP8 tile layout above)."""
+    if kv_cache.dtype == FP8:
+        return "fp8"
+    if kv_cache.dtype == torch.uint8:
+        return "fp8_tile"
+    return "plain"
 
 
 def row_width(fmt: str, r: int, dr: int) -> int:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
+from ..quant import cache_format, dequantize_rows, quantize_rows
+from ..rope import apply_rope
+
+__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm"]
 
 
@@ -55,9 +58,6 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     FP8 rows (float8_e4m3fn with kv_scale, or the uint8 tile layout) are dequantized here.
     Returns out [B, s_q, H, head_dim_v] (q.dtype) and lse [B, s_q, H] float32.
     """
-    from ..quant import dequantize_rows
-    from . import cache_format
-
     fmt = cache_format(kv_cache)
     B, s_q, H, _ = q.shape
     out = torch.zeros(B, s_q, H, head_dim_v, dtype=torch.float32, device=q.device)
@@ -111,20 +111,32 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     return out.to(q.dtype), lse
 
 
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Exact merge of two partial attentions over disjoint key sets by log-sum-exp.
+def combine(out_parts, lse_parts, out_dtype=None):
+    """Exact merge of S partial attentions over disjoint key sets by log-sum-exp.
 
-    out_* [..., d], lse_* [...] float32. A part with lse = -inf has weight 0; if both
-    are empty the result is out = 0, lse = -inf (never NaN).
+    out_parts [S, ..., d], lse_parts [S, ...] float32 -> (out [..., d] in out_dtype (default
+    out_parts'), lse [...] float32): lse = logaddexp over the parts (in order), out = sum_s
+    out_s exp(lse_s - lse). A part with lse = -inf has weight 0 whatever its out holds (even
+    NaN); if every part is empty the result is out = 0, lse = -inf (never NaN).
     """
-    lse = torch.logaddexp(lse_a, lse_b)
+    lse = lse_parts[0]
+    for part in lse_parts[1:]:
+        lse = torch.logaddexp(lse, part)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    # an empty part contributes nothing, whatever its out holds (even NaN)
-    fa, fb = torch.isfinite(lse_a).unsqueeze(-1), torch.isfinite(lse_b).unsqueeze(-1)
-    wa = torch.exp(lse_a - safe).unsqueeze(-1)
-    wb = torch.exp(lse_b - safe).unsqueeze(-1)
-    out = torch.where(fa, out_a.float() * wa, 0.0) + torch.where(fb, out_b.float() * wb, 0.0)
-    return out.to(out_a.dtype), lse
+    out = None
+    for o, part in zip(out_parts, lse_parts):
+        w = torch.exp(part - safe).unsqueeze(-1)
+        term = torch.where(torch.isfinite(part).unsqueeze(-1), o.float() * w, 0.0)
+        out = term if out is None else out + term
+    return out.to(out_parts.dtype if out_dtype is None else out_dtype), lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two partial attentions over disjoint key sets: ``combine`` of two parts.
+
+    out_* [..., d], lse_* [...] float32 -> (out in out_a's dtype, lse float32).
+    """
+    return combine(torch.stack((out_a, out_b)), torch.stack((lse_a, lse_b)), out_a.dtype)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
@@ -133,10 +145,6 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset;
     a negative slot is not written).
     """
-    from ..quant import quantize_rows
-    from ..rope import apply_rope
-    from . import cache_format
-
     q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
     k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
     flat = kv_cache.view(-1, kv_cache.shape[-1])

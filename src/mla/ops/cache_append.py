@@ -1,4 +1,4 @@
-"""Fused RoPE + latent-cache append: ``rope_append`` in one kernel.
+"""The rope_append kernel: fused RoPE + latent-cache append in one kernel.
 
 For every token t (one program per token and block of heads):
 
@@ -13,15 +13,16 @@ dtype, exactly as ``mla.rope.apply_rope``. Every tensor is passed with its strid
 q_pe may be the view q[..., dn:] of [T, H, dn + dr] and k_pe, c_kv views of [T, r + dr].
 A negative slot (padding) rotates but writes no cache row. Rows are loaded whole (16-byte
 accesses) and split into pairs in registers; dr must be a power of two (64 in every preset;
-other sizes fall back to the reference).
+``rope_append.takes`` says which inputs the kernel serves, ``mla.ops`` sends the others to the
+reference).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from . import jit, kv_fmt
-from .fp8_gemm import _round_to_bf16, _round_to_e4m3
+from ._jit import jit, kv_fmt
+from .fp8_gemm import round_to_bf16, round_to_e4m3
 
 __all__ = ["rope_append"]
 
@@ -49,7 +50,7 @@ def _to_cache(x, kv_scale, out_ty: tl.constexpr, KV_FMT: tl.constexpr):
     rounded in float32 first, so the cast is exact: Triton 3.6's interpreter rounds some casts
     to e4m3 and bf16 down)."""
     if KV_FMT == 1:
-        return _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)).to(tl.float8e4nv)
+        return round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)).to(tl.float8e4nv)
     return x.to(out_ty)
 
 
@@ -61,10 +62,10 @@ def _store_tile_row(dst, c_ptr, stride_cd, k, R, d):
     for t0 in range(0, R, 128):
         x = tl.load(c_ptr + (t0 + j) * stride_cd).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)
-        q8 = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)).to(tl.float8e4nv)
+        q8 = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)).to(tl.float8e4nv)
         tl.store(dst + t0 + j, q8.to(tl.uint8, bitcast=True))
         tl.store((dst + R).to(tl.pointer_type(tl.float32)) + t0 // 128, scale)
-    k16 = _round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
+    k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
     tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
 
 
@@ -119,11 +120,6 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
         return None
     half = dr // 2
     fmt = kv_fmt(kv_cache)
-    # the kernel splits whole rows in two (dr a power of two); tile rows: whole 128-value tiles
-    if dr < 2 or dr & (dr - 1) or (fmt == 2 and (r % 128 or kv_cache.stride(-1) != 1)):
-        from ..reference import rope_append as reference_rope_append
-
-        return reference_rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
     block_h = min(32, triton.next_power_of_2(max(H, 1)))
     grid = (T, triton.cdiv(H, block_h) if H > 0 else 1)
     _rope_append_kernel[grid](
@@ -138,4 +134,14 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     return None
 
 
+def takes(q_pe, c_kv, kv_cache) -> bool:
+    """Whether the kernel serves these inputs: it splits whole rows in two (dr a power of two),
+    and tile rows in whole 128-value tiles of unit stride."""
+    dr, r = q_pe.shape[-1], c_kv.shape[-1]
+    if dr < 2 or dr & (dr - 1):
+        return False
+    return kv_fmt(kv_cache) != 2 or (r % 128 == 0 and kv_cache.stride(-1) == 1)
+
+
 rope_append.cache_formats = ("plain", "fp8", "fp8_tile")
+rope_append.takes = takes

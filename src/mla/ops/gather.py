@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import jit
+from ._jit import jit
 
 __all__ = ["gather_latent"]
 

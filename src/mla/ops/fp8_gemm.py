@@ -7,7 +7,7 @@ quantized per token per group; w_q, w_scale the checkpoint's float8_e4m3fn weigh
 128 x 128 block scales ``weight_scale_inv`` [ceil(N/128), ceil(K/128)].
 
 - ``_act_quant_kernel``: one program per BLOCK_M rows x one group: amax, scale = amax / 448,
-  x / scale rounded to the e4m3 grid in float32 (``_round_to_e4m3``), then cast. Rounding
+  x / scale rounded to the e4m3 grid in float32 (``round_to_e4m3``), then cast. Rounding
   first makes the cast exact, so the values are the reference's (a zero may differ in sign) on
   the GPU and in the interpreter too (Triton 3.6's interpreter casts float32 -> e4m3 with wrong
   rounding: no carry into the exponent, no ties to even).
@@ -21,29 +21,28 @@ memory-bound on the weight: BLOCK_M 16..64, BLOCK_N 64 and K splits to fill the 
 64 x 128 tiles in grouped order (GROUP_M row tiles sweep the columns together, so their weight
 tiles are reused from L2). On an H200 these kernels beat bf16 F.linear at decode sizes; at
 M >= 512 cuBLAS bf16 and torch's block-scaled scaled_mm are faster, so ``fp8_linear`` hands
-M > 64 to scaled_mm where torch has it (benchmarks/fp8_gemm.py, docs/PERF.md).
+M > 64 to scaled_mm where torch has it (``choose_kernel``, the one rule between the two).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import jit
+from ._jit import jit, num_sms
 
 __all__ = ["quantize_act_1x128", "fp8_linear", "fp8_linear_triton", "scaled_mm_blockwise", "fp8_bmm", "GemmConfig",
-           "gemm_config"]
+           "gemm_config", "choose_kernel", "round_to_e4m3", "round_to_bf16"]
 
 GROUP = 128   # columns per activation scale = the weight's block size
 _GROUP = tl.constexpr(GROUP)   # the same, as kernels see it
 
 
 @jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """float32 v, |v| <= 448 -> the nearest e4m3 value (ties to even), as float32."""
     e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127        # floor(log2 |v|)
     e = tl.maximum(e, -6) - 3                                         # log2 of e4m3's spacing at v
@@ -55,7 +54,7 @@ def _round_to_e4m3(v):
 
 
 @jit
-def _round_to_bf16(v):
+def round_to_bf16(v):
     """float32 v -> the nearest bfloat16 value (ties to even), as float32 (finite v)."""
     b = v.to(tl.int32, bitcast=True)
     return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
@@ -71,7 +70,7 @@ def _act_quant_kernel(X, XQ, XS, M, K, G, stride_x, BLOCK_M: tl.constexpr):
     x = tl.load(X + m64[:, None] * stride_x + k[None, :], mask=ok, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
-    tl.store(XQ + m64[:, None] * K + k[None, :], _round_to_e4m3(q).to(tl.float8e4nv), mask=ok)
+    tl.store(XQ + m64[:, None] * K + k[None, :], round_to_e4m3(q).to(tl.float8e4nv), mask=ok)
     tl.store(XS + m64 * G + g, scale, mask=m < M)
 
 
@@ -140,11 +139,10 @@ def gemm_config(M: int, N: int, K: int, batch: int = 1, num_sms: int = 132) -> G
     return GemmConfig(block_m=block_m, block_n=64, num_splits=splits)
 
 
-@lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4   # the interpreter: few "SMs", so tiny shapes still take the split-K path
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def quantize_act_1x128(x):
@@ -185,19 +183,24 @@ def fp8_bmm(x, weight, weight_scale_inv, out_dtype):
     return out
 
 
-def fp8_linear(x, weight, weight_scale_inv, out_dtype):
-    """x [M, K] float; weight [N, K] float8_e4m3fn; weight_scale_inv [ceil(N/128), ceil(K/128)]
-    float32 -> [M, N] in out_dtype.
-
-    The one rule between the two GEMMs: torch's block-scaled ``scaled_mm`` (cuBLAS) above 64
-    rows, this module's kernel at decode sizes. On an H200 at DeepSeek-V3's projections
-    (benchmarks/fp8_gemm.py) scaled_mm took 0.56-0.96x this kernel's time at M 512 and 4096 and
-    1.02-1.76x at M 8-64 (it refused M 1). scaled_mm needs K and N in whole 128-blocks, bf16 output
-    and a CUDA device; elsewhere the kernel serves."""
+def choose_kernel(x, weight, out_dtype) -> str:
+    """The one rule between the two GEMMs of ``fp8_linear``: "scaled_mm" (torch's block-scaled
+    ``scaled_mm``, cuBLAS) above 64 rows, "triton" (this module's kernel) at decode sizes. On an
+    H200 at DeepSeek-V3's projections scaled_mm takes 0.56-0.96x this kernel's time at M 512 and
+    4096 and 1.02-1.76x at M 8-64 (it refuses M 1). scaled_mm needs K and N in whole
+    128-blocks, bf16 output and a CUDA device; elsewhere the kernel serves."""
     M, K = x.shape
     N = weight.shape[0]
     if (M > 64 and x.is_cuda and out_dtype == torch.bfloat16 and K % GROUP == 0 and N % GROUP == 0
             and _SCALED_MM is not None):
+        return "scaled_mm"
+    return "triton"
+
+
+def fp8_linear(x, weight, weight_scale_inv, out_dtype):
+    """x [M, K] float; weight [N, K] float8_e4m3fn; weight_scale_inv [ceil(N/128), ceil(K/128)]
+    float32 -> [M, N] in out_dtype, on the GEMM ``choose_kernel`` names."""
+    if choose_kernel(x, weight, out_dtype) == "scaled_mm":
         return scaled_mm_blockwise(x, weight, weight_scale_inv)
     return fp8_linear_triton(x, weight, weight_scale_inv, out_dtype)
 

@@ -3,7 +3,7 @@ most 32 query rows (16 a program, in row groups):
 S^T as e4m3 tensor-core MMAs straight from the key tile, O^T as fp16 MMAs with the values
 widened in registers.
 
-The narrow kernel (``decode_gluon_narrow``) widens every FP8 tile into an fp16 copy in shared
+The narrow kernel (``narrow``) widens every FP8 tile into an fp16 copy in shared
 memory (~4.8 KB of shared-memory traffic per key, 0.80-0.92x the bf16 kernel's throughput on the
 H200). Here nothing is widened in shared memory:
 
@@ -17,8 +17,7 @@ H200). Here nothing is widened in shared memory:
   so one MMA reads each key chunk once and S^T = (columns j + columns 16 + j) times the row's
   scale, a sum inside each thread. What is lost: e4m3 MMAs sum in the tensor core with about 13
   fraction bits (measured 0.5-1.2e-4 relative at K = 32-128, 4e-4 over the 576 columns), so the
-  scores carry ~1e-3 of relative error, about 1/30 of what the FP8 cache's own rounding adds
-  (docs/PERF.md, "Decode: e4m3 MMAs for S^T").
+  scores carry ~1e-3 of relative error, about 1/30 of what the FP8 cache's own rounding adds.
 - O^T: lane group (w, g) of the A fragment owns rows 16 w + g and + 8 of each of the eight
   64-row MMA tiles i; those 16 rows are the adjacent value columns 16 (8 w + g) .. + 15 (row
   r = 64 i + 16 w + 8 h + g holds column 128 w + 16 g + 2 i + h: the "column order" of O^T), so
@@ -39,17 +38,16 @@ stage just before its MMA (held in registers through the softmax, with the scale
 spilled), so the stage goes back to the loader after the fourth step, not before the softmax.
 
 Grid (splits x B x row groups), shared out over the sequences by length
-(``decode_gluon._planned_split``). Partitions: two warpgroups that take alternate 64-key
+(``split_plan``). Partitions: two warpgroups that take alternate 64-key
 tiles, each with its own online softmax and O^T, and a 1-warp TMA loader filling a ring of four FP8 tiles
-(``_loader``, one mbarrier per tile; with FP8 rows the prologue copies the first, before the
+(``loader``, one mbarrier per tile; with FP8 rows the prologue copies the first, before the
 query split). A warpgroup hands its stage back to the loader once S^T is done and the value
 bytes are in its registers, before the softmax; tail rows (NaN in unused slots) are zeroed
 in shared memory first. Row sums of P stay per thread (each its own keys, the same rescales) and
 are reduced across the warpgroup once, at the end. Then warpgroup 1 hands its state to
 warpgroup 0 through shared memory (O in its own ring stage, 128 adjacent bytes a warp store) and
 warpgroup 0 merges the two: one result per split, merged with the other splits by
-``decode.combine``, or the output itself when there is one split (no combine). Against two
-results per split: 0.81-0.97x the time on the H200 (16 heads, B 32/128 x 1k-16k). kv_scale and
+``combine``, or the output itself when there is one split (no combine), which halves the partials the combine reads. kv_scale and
 the query rows' scales are folded into the softmax scale, kv_scale into the output.
 """
 from __future__ import annotations
@@ -65,15 +63,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import kv_fmt
-from .decode import combine
-from .decode_gluon import (_D, _DV, _LOG2E, _copy_fp8_tile, _descriptors, _loader, _merge_buffers,
-                           _merge_weights, _plan_and_query, _ring_barriers, _send_state, _zero_tail, block_b,
-                           default_splits, launch_dependents, pdl_launch, planned_results, supports,
-                           thread_major, wait_prerequisites)
-from .decode_gluon_narrow import _acc_layout
+from ..._jit import kv_fmt
+from ..combine import run_splits
+from ..split_plan import block_b
+from .common import (D_QK, D_V, LOG2E, acc_layout, copy_fp8_tile, default_splits, descriptors, launch_dependents,
+                     loader, merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state,
+                     supports, thread_major, wait_prerequisites, zero_tail)
 
-__all__ = ["launch_fp8", "takes"]
+__all__ = ["launch", "takes", "MAX_ROWS"]
 
 _R = gl.constexpr(16)     # query rows per program (the MMAs' N)
 _NST = gl.constexpr(4)         # FP8 tiles in the ring (even: each stage always serves the same warpgroup)
@@ -128,7 +125,7 @@ def _column_order(acc):
 def _v_frag(x):
     """16 keys x 512 value columns (FP8, registers) -> V^T, the O^T MMA's A operand (fp16), its
     rows in O^T's column order (module docstring)."""
-    A_L: gl.constexpr = _acc_layout(_R)
+    A_L: gl.constexpr = acc_layout(_R)
     y = _swap_key_bits(x.to(gl.float16), 1).permute((1, 0))
     y = y.reshape([4, 8, 8, 2, 16]).permute((2, 0, 3, 1, 4)).reshape([512, 16])
     return gl.convert_layout(y, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=2))
@@ -160,14 +157,14 @@ def _row_exponents(amax):
 
 @gluon.jit
 def _store_q8(xq, q8, qpe, TILE: gl.constexpr):
-    """q8[c] = [Q_hi; Q_lo] of chunk c of the query rows xq (``_query_chunks``), the rows over their
+    """q8[c] = [Q_hi; Q_lo] of chunk c of the query rows xq (``plan_and_query``), the rows over their
     power-of-two scales (the same bits as ``_q_exponents``: a max is exact in any order; the
     division is exact). TILE (tile rows, bf16 k_pe): the rope chunk goes to qpe [2 R, 64] as two
     bf16 terms instead, [hi; lo] like q8 (exact for bf16 and fp16 queries). hi is the hardware's
     rounding (to nearest even, e4m3 subnormals below 2^-6), widened back through fp16: Triton 3.6
     widens e4m3 to float32 wrongly in this layout (elements swapped within a thread's 8), e4m3 ->
     fp16 is right. Bit for bit the same q8 as rounding in float32 bit arithmetic, with ~620 fewer
-    instructions in a prologue that one warp per scheduler runs (docs/PERF.md, tenth session)."""
+    instructions in a prologue that one warp per scheduler runs."""
     amax = gl.abs(xq[0].to(gl.float32))
     for c in gl.static_range(1, 9):
         amax = gl.maximum(amax, gl.abs(xq[c].to(gl.float32)))
@@ -269,7 +266,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
     TILE: tile rows (a float32 scale per key and 128 values, bf16 k_pe)."""
     (q8, qpe, Q, q_off, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
      l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    A_L: gl.constexpr = _acc_layout(_R)
+    A_L: gl.constexpr = acc_layout(_R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
     r = r0 + gl.arange(0, _R, layout=COL_L)          # this program's query rows
     if CAUSAL:
@@ -286,11 +283,11 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
         j = 2 * t + WG
         n0 = start + j * 64
         st = j % _NST
-        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see _loader)
+        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see loader)
         tile = k8.index(st)
         tile_pe = pe8.index(st)
         if n0 + 64 > end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
-            _zero_tail(tile, tile_pe, n0, end)
+            zero_tail(tile, tile_pe, n0, end)
             if TILE:
                 _zero_tail_scales(sc8.index(st), n0, end)
             fence_async_shared()
@@ -379,9 +376,9 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
     out = _column_order(acc)
     xo = k8.index(1)._reinterpret(gl.float32, [512, _R], thread_major(_o_layout()))
     if WG == 1:
-        _send_state(xo, out, xml, m_i, l_i, xbar)
+        send_state(xo, out, xml, m_i, l_i, xbar)
     else:
-        w0, w1, lse = _merge_weights(xml, xbar, m_i, l_i, v_scale)
+        w0, w1, lse = merge_weights(xml, xbar, m_i, l_i, v_scale)
         OL: gl.constexpr = _o_layout()
         ROW_L: gl.constexpr = gl.SliceLayout(0, OL)
         out = out * gl.convert_layout(w0, ROW_L)[None, :] + xo.load(OL) * gl.convert_layout(w1, ROW_L)[None, :]
@@ -408,10 +405,10 @@ def _fp8_kernel(
     gl.static_assert(num_warps == 4)
     # the barriers first: they read no memory, so under a dependent launch they are set up while
     # the kernel before drains (``wait_prerequisites``)
-    ready, free = _ring_barriers(_NST, 1)
-    xbar, xml = _merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
+    ready, free = ring_barriers(_NST, 1)
+    xbar, xml = merge_buffers(_R)     # warpgroup 1's result -> warpgroup 0
     wait_prerequisites()
-    # program (the plan's program p, ``_planned_split``; row group g) at p ROW_GROUPS + g: the
+    # program (the plan's program p, ``split_plan``; row group g) at p ROW_GROUPS + g: the
     # row groups of a split run side by side, so that the second reads its keys from L2
     if ROW_GROUPS == 1:
         p = gl.program_id(0)
@@ -420,7 +417,7 @@ def _fp8_kernel(
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the query, the lengths, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
                                                                        num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
                                                                        stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
@@ -436,12 +433,12 @@ def _fp8_kernel(
         qpe = p_smem   # not used
     # FP8 rows: the first tile goes out now, so that the memory works under the query split. Each
     # copy into the ring's one allocation costs the prologue a thread barrier: measured, copying 2
-    # or 4 tiles here was slower, and tile rows (11 copies a tile) lose with one (PERF.md)
+    # or 4 tiles here is slower, and tile rows (11 copies a tile) lose with one
     KV_FMT: gl.constexpr = 2 if TILE else 1
     PRE: gl.constexpr = 0 if TILE else 1
     if PRE > 0:
         if n_tiles > 0:
-            _copy_fp8_tile(k8, pe8, sc8, ready, 0, blk0 * block_size + start % block_size, kv_desc, pe_desc, sc_desc,
+            copy_fp8_tile(k8, pe8, sc8, ready, 0, blk0 * block_size + start % block_size, kv_desc, pe_desc, sc_desc,
                            KV_FMT)
     # the query rows as two e4m3 terms under a power-of-two scale per row
     _store_q8(xq, q8, qpe, TILE)
@@ -458,7 +455,7 @@ def _fp8_kernel(
     gl.warp_specialize([
         (_fp8_wg, (args, 0, CAUSAL, TILE)),
         (_fp8_wg, (args, 1, CAUSAL, TILE)),
-        (_loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
+        (loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
                   blk0, KV_FMT, False, gl.minimum(n_tiles, PRE))),
     ], [4, 1], [232, 24])
 
@@ -470,14 +467,14 @@ MAX_ROWS = 2 * _R.value
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """True when ``launch_fp8`` handles these inputs: FP8 rows (float8_e4m3fn) or FP8 tile rows
-    (uint8, ``mla.quant``) that ``decode_gluon.supports`` accepts, and at most ``MAX_ROWS`` query
+    (uint8, ``mla.quant``) that ``common.supports`` accepts, and at most ``MAX_ROWS`` query
     rows (H * s_q)."""
     return (kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) and q.dim() == 4
             and q.shape[1] * q.shape[2] <= MAX_ROWS and supports(q, kv_cache))
 
 
-def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-               num_splits: int | None = None, kv_scale: float = 1.0):
+def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
+           num_splits: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows (kv_scale
     applies) or FP8 tile rows (their own scales; kv_scale is not used) for H * s_q <= ``MAX_ROWS``
     (``takes``), 16 query rows a program. No host synchronisation."""
@@ -485,36 +482,32 @@ def launch_fp8(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
     block_size = kv_cache.shape[1]
-    if head_dim_v != _DV or d != _D or not takes(q, kv_cache):
-        raise ValueError("launch_fp8: expected float8_e4m3fn rows of 576 or FP8 tile rows that "
-                         f"decode_gluon.supports() takes, head_dim_v 512 and H * s_q <= {MAX_ROWS}")
-    out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
-    if B == 0 or s_q == 0 or H == 0:
-        return out, lse
+    if head_dim_v != D_V or d != D_QK or not takes(q, kv_cache):
+        raise ValueError("fp8.launch: expected float8_e4m3fn rows of 576 or FP8 tile rows that "
+                         f"common.supports() takes, head_dim_v 512 and H * s_q <= {MAX_ROWS}")
+    max_len = block_table.shape[1] * block_size
     groups = triton.cdiv(H * s_q, _R.value)
-    if num_splits is None:      # each row group as a sequence of its own
-        num_splits = default_splits(B * groups, min(H * s_q, _R.value), block_table.shape[1] * block_size, q.device)
-    S = num_splits
-    # partials in out's dtype, 16-byte stores a thread (thread-major rows): 16 heads B 32 x 1k /
-    # 4k 19.2 -> 17.8 / 36.1 -> 34.6 us against float32 ones (H200, one process)
-    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size, out.dtype)
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
-    kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64, gl.float16)
-    _fp8_kernel[(S * B * groups,)](
-        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
-        q.stride(0), q.stride(1), q.stride(2),
-        block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, B, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
-        CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups, BLOCK_B=block_b(B),
-        P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
-        Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
-        QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
-        num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
-    )
-    if S > 1:
-        combine(o_part, l_part, out, lse, info)
-    return out, lse
+
+    def split_kernel(o_part, l_part, info, S):
+        kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64, gl.float16)
+        _fp8_kernel[(S * B * groups,)](
+            q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
+            q.stride(0), q.stride(1), q.stride(2),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            l_part.stride(0), l_part.stride(1), l_part.stride(2),
+            H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
+            CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups, BLOCK_B=block_b(B),
+            P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
+            Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
+            QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
+            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+        )
+    # each row group as a sequence of its own
+    splits = num_splits if num_splits is not None else (
+        lambda: default_splits(B * groups, min(H * s_q, _R.value), max_len, q.device))
+    # partials in out's dtype, 16-byte stores a thread (thread-major rows): less to write and
+    # read back than float32 ones
+    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype, pdl=pdl)

@@ -1,23 +1,33 @@
-"""Triton backends of the ops in ``mla.ops`` (same signatures as ``mla.ops.reference``).
+"""Triton launch glue shared by every kernel of ``mla.ops``: :func:`jit`, the device queries
+that schedules read, and the cache-format code kernels specialise on.
 
-Kernels are declared with :func:`jit` below instead of ``triton.jit``: the same
-kernel then runs compiled on CUDA tensors and under Triton's interpreter on CPU
-tensors, without setting ``TRITON_INTERPRET`` before import.
+Kernels are declared with :func:`jit` instead of ``triton.jit``: the same kernel then runs
+compiled on CUDA tensors and under Triton's interpreter on CPU tensors, without setting
+``TRITON_INTERPRET`` before import.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
+import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from ..quant import CACHE_FORMATS, cache_format
+
+__all__ = ["jit", "kv_fmt", "num_sms", "sm_major", "INTERPRETER_BROKEN"]
 
 _interpreted_library: dict = {}
 
 
 def _call_interpreted(self, *args, **kwargs):
     """JITFunction.__call__ while an interpreted kernel runs: Triton's own jit functions
-    (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are compiled JITFunctions here, so run them
-    through the interpreter too."""
+    (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) were declared compiled (no TRITON_INTERPRET at
+    import), and the interpreter calls them as plain Python, so they must run through the
+    interpreter too. Triton 3.6 offers no per-launch hook for this: the class attribute is
+    swapped for the duration of one interpreted launch (``_DualKernel.run``) and put back after
+    it, and only here."""
     fn = _interpreted_library.get(self.fn)
     if fn is None:
         fn = _interpreted_library[self.fn] = InterpretedFunction(self.fn)
@@ -46,12 +56,11 @@ def _restore_language(state) -> None:
 def _interpreter_breaks() -> bool:
     """Triton 3.6's interpreter fails on run-time loop bounds with numpy >= 2.4
     (triton-lang/triton#9171), and a launch that fails inside it leaves the process unable to
-    compile Gluon kernels afterwards (on the H200 the decode kernel's compile then failed;
-    restoring the attributes of triton.language's and Gluon's modules did not prevent it).
-    So where a GPU could be used later in the process, CPU launches are refused up front;
-    without one, the interpreter runs and reports its own error."""
+    compile Gluon kernels afterwards (restoring the attributes of triton.language's and Gluon's
+    modules does not prevent it). So where a GPU could be used later in the process, CPU
+    launches are refused up front; without one, the interpreter runs and reports its own
+    error."""
     import numpy
-    import torch
 
     def version(v):
         return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
@@ -71,8 +80,6 @@ class _DualKernel(JITFunction):
         self.interpreted = InterpretedFunction(fn)
 
     def run(self, *args, grid, warmup, **kwargs):
-        import torch
-
         on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
         if on_cpu:
             if INTERPRETER_BROKEN:
@@ -102,20 +109,19 @@ def jit(fn=None, **kwargs):
     return _DualKernel(fn, **kwargs)
 
 
-def kv_fmt(kv_cache) -> int:
+def kv_fmt(kv_cache: torch.Tensor) -> int:
     """The kernels' KV_FMT code of a cache: 0 plain rows, 1 FP8 rows, 2 FP8 tile rows (the index
-    of ``mla.ops.cache_format`` in ``mla.quant.CACHE_FORMATS``)."""
-    from .. import cache_format
-    from ...quant import CACHE_FORMATS
-
+    of ``mla.quant.cache_format`` in ``mla.quant.CACHE_FORMATS``)."""
     return CACHE_FORMATS.index(cache_format(kv_cache))
 
 
-# Ops with a Triton kernel are re-exported here as they land; the rest fall back to the reference.
-# One line per op, so each kernel file swaps in its own line.
-from .decode import mla_decode  # noqa: E402,F401
-from .prefill import prefill_attention  # noqa: E402,F401
-from .merge import merge_attention  # noqa: E402,F401
-from .rope_append import rope_append  # noqa: E402,F401
-from .gather import gather_latent  # noqa: E402,F401
-from .fp8_gemm import quantize_act_1x128, fp8_linear, fp8_bmm  # noqa: E402,F401
+@lru_cache(maxsize=None)
+def sm_major(device_index: int) -> int:
+    """The compute capability's major version of a CUDA device."""
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """The multiprocessor count of a CUDA device (the schedules size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,10 +1,9 @@
-"""Hopper decode for few query rows (H * s_q <= 32, e.g. 16 heads per GPU under TP 8): the
+"""The narrow kernel: Hopper decode for few query rows (H * s_q <= 32, e.g. 16 heads per GPU under TP 8): the
 keys are the MMAs' M dimension ("swap AB").
 
-``decode_gluon``'s kernel puts the query rows on M, which a warpgroup MMA fixes at 64: with 16
+The seesaw (``seesaw``) puts the query rows on M, which a warpgroup MMA fixes at 64: with 16
 rows three quarters of its tensor work is padding, and at 16 heads that kernel is as much
-compute-bound as memory-bound (26 keys/us per SM at 16 and at 128 heads on the H200,
-docs/PERF.md), so an FP8 cache (half the bytes) cannot make it faster. Here each warpgroup
+compute-bound as memory-bound (the same keys per us per SM at 16 and at 128 heads on the H200), so an FP8 cache (half the bytes) cannot make it faster. Here each warpgroup
 computes, for a 64-key tile,
 
     S^T [64 keys, R] = K [64, 576] . Q^T [576, R]          (A: the K tile, B: Q, both in shared)
@@ -13,18 +12,18 @@ computes, for a 64-key tile,
 with R = 16 or 32 query rows, a quarter or half of the padded work. The softmax runs down the
 columns of S^T (per query row, across the keys of the tile).
 
-Grid (splits x B), shared out over the sequences by length (``decode_gluon._planned_split``).
+Grid (splits x B), shared out over the sequences by length (``split_plan``).
 Partitions: two warpgroups that take alternate tiles, each with its own online softmax and its
 own O^T, and a 1-warp TMA loader:
     bf16/fp16 rows: a ring of two 64-key tiles, one per warpgroup, 9 boxes per tile;
     FP8 rows:       a staging ring of 32-key FP8 tiles that each warpgroup widens into its own
-                    64-key tile (``decode_gluon._widen``) before its S^T.
-Masking as in ``decode_gluon``: tail rows of a tile zeroed in shared memory (0 * NaN), keys past
+                    64-key tile (``common.widen``) before its S^T.
+Masking as in the seesaw: tail rows of a tile zeroed in shared memory (0 * NaN), keys past
 each query's causal limit at -inf. At the end warpgroup 1 hands O^T, its row max and sum to
-warpgroup 0 through its own tile (thread-major, ``decode_gluon.thread_major``) and warpgroup 0
-merges them: one result per split for ``decode.combine``, or the output itself when there is one
-split. Against two results per split: 0.91-0.98x the time on the H200 (16 heads bf16, B 32 / 128
-x 1k / 4k); a first merge through a plain row-major buffer had measured 1.02-1.08x slower.
+warpgroup 0 through its own tile (thread-major, ``common.thread_major``) and warpgroup 0
+merges them: one result per split for ``combine``, or the output itself when there is one
+split (two results per split would double the partials the combine reads; a plain row-major
+buffer for the hand-over costs bank conflicts).
 """
 from __future__ import annotations
 
@@ -38,19 +37,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .decode import combine
-from . import kv_fmt
-from .decode_gluon import (_D, _DV, _LOG2E, _copy_tile, _descriptors, _loader, _merge_buffers, _merge_weights,
-                           _plan_and_query, _ring_barriers, _send_state, _widen, _zero_tail, block_b, default_splits,
-                           launch_dependents, pdl_launch, planned_results, supports, thread_major,
-                           wait_prerequisites)
+from ..._jit import kv_fmt
+from ..combine import run_splits
+from ..split_plan import block_b
+from .common import (D_QK, D_V, LOG2E, acc_layout, copy_tile, default_splits, descriptors, launch_dependents, loader,
+                     merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state, supports,
+                     thread_major, wait_prerequisites, widen, zero_tail)
 
-__all__ = ["launch_narrow", "narrow_rows"]
-
-
-@gluon.constexpr_function
-def _acc_layout(R):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16])
+__all__ = ["launch", "narrow_rows"]
 
 
 @gluon.jit
@@ -60,7 +54,7 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
      seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     R: gl.constexpr = q_smem.shape[0]
     NBUF: gl.constexpr = k_smem.shape[0]
-    A_L: gl.constexpr = _acc_layout(R)
+    A_L: gl.constexpr = acc_layout(R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
     dtype: gl.constexpr = q_smem.dtype
     r = gl.arange(0, R, layout=COL_L)
@@ -81,7 +75,7 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
             if n0 + 64 > end:   # tail tile: wait for all of it, zero rows >= end
                 for c in gl.static_range(9):
                     mbarrier.wait(ready.index(WG * 9 + c), ph)
-                _zero_tail(k_buf, kpe_buf, n0, end)
+                zero_tail(k_buf, kpe_buf, n0, end)
                 fence_async_shared()
                 gl.thread_barrier()
         else:                   # widen the two 32-key FP8 halves (an absent second half -> zeros)
@@ -89,12 +83,12 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
             # order, so a stage's ready barrier is never waited on a phase ahead of its last landing
             if j > 0:
                 mbarrier.wait(turn.index(1 - WG), ((j - 1) // 2) & 1)
-            _widen(st8, ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, end, KV_FMT)
+            widen(st8, ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, end, KV_FMT)
             if n0 + 32 < end:
-                _widen(st8, ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
+                widen(st8, ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
                        end, KV_FMT)
             else:
-                _zero_tail(k_buf, kpe_buf, n0, end)
+                zero_tail(k_buf, kpe_buf, n0, end)
                 fence_async_shared()
                 gl.thread_barrier()
             mbarrier.arrive(turn.index(WG), count=1)
@@ -130,9 +124,9 @@ def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     XL: gl.constexpr = thread_major(gl.to_linear_layout(A_L, [512, R]))
     xo = k_smem.index(1)._reinterpret(gl.float32, [512, R], XL)
     if WG == 1:
-        _send_state(xo, acc, xml, m_i, l_i, xbar)
+        send_state(xo, acc, xml, m_i, l_i, xbar)
     else:
-        w0, w1, lse = _merge_weights(xml, xbar, m_i, l_i, v_scale)
+        w0, w1, lse = merge_weights(xml, xbar, m_i, l_i, v_scale)
         out = acc * w0[None, :] + xo.load(A_L) * w1[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
         row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
@@ -154,28 +148,28 @@ def _narrow_kernel(
 ):
     gl.static_assert(num_warps == 4)
     wait_prerequisites()
-    p = gl.program_id(0)           # the plan's program (``_planned_split``)
+    p = gl.program_id(0)           # the plan's program (``split_plan``)
     q_smem = gl.allocate_shared_memory(dtype, [R, 512], SM_L)
     qpe_smem = gl.allocate_shared_memory(dtype, [R, 64], SM_L)
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SM_L)      # one 64-key tile per warpgroup
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
     # the loads first (the lengths, the query, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = _plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
                                                                        num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
                                                                        stride_qi, stride_qh, 0, R)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    xbar, xml = _merge_buffers(R)     # warpgroup 1's result -> warpgroup 0
+    xbar, xml = merge_buffers(R)     # warpgroup 1's result -> warpgroup 0
     if KV_FMT == 0:   # the loader fills the two tiles (tile j -> warpgroup j % 2)
-        ready, free = _ring_barriers(2)
+        ready, free = ring_barriers(2)
         st8 = (k_smem, kpe_smem, k_smem, free)            # not used
         ring, ring_pe, ring_sc = k_smem, kpe_smem, k_smem
         n_loads = n_tiles
         # tile 0 goes out now, under the query's landing and stores (the loader starts at tile 1)
         if n_tiles > 0:
-            _copy_tile(k_smem, kpe_smem, ready, 0, blk0 * block_size + start % block_size, kv_desc)
+            copy_tile(k_smem, kpe_smem, ready, 0, blk0 * block_size + start % block_size, kv_desc)
     else:             # FP8 staging ring of 32-key tiles; each warpgroup widens two into its tile
         k8 = gl.allocate_shared_memory(kv_desc.dtype, [NST, 32, 512], kv_desc.layout)
         if KV_FMT == 1:
@@ -184,7 +178,7 @@ def _narrow_kernel(
         else:
             pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NST, 32, 64], pe_desc.layout)
             sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NST, 32, 4], sc_desc.layout)
-        ready, free = _ring_barriers(NST)
+        ready, free = ring_barriers(NST)
         st8 = (k8, pe8, sc8, free)
         ring, ring_pe, ring_sc = k8, pe8, sc8
         n_loads = gl.maximum(end - start + 31, 0) // 32
@@ -205,7 +199,7 @@ def _narrow_kernel(
     gl.warp_specialize([
         (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
         (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
-        (_loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
+        (loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
                    block_size, blk0, KV_FMT, False, gl.minimum(n_loads, 1 if KV_FMT == 0 else 0))),
     ], [4, 1], [232, 24])
 
@@ -219,43 +213,37 @@ def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
     return 0 if (R == 32 and kv_cache.dtype == torch.uint8) else R
 
 
-def launch_narrow(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-                  num_splits: int | None = None, kv_scale: float = 1.0):
+def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
+           num_splits: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) for H * s_q <= 32 on
-    the inputs ``decode_gluon.supports`` accepts. No host synchronisation."""
+    the inputs ``common.supports`` takes. No host synchronisation."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     R = narrow_rows(q, kv_cache)
-    if head_dim_v != _DV or d != _D or not R or not supports(q, kv_cache, block_size):
-        raise ValueError("launch_narrow: unsupported shapes/dtypes/layout (see narrow_rows() and supports())")
+    if head_dim_v != D_V or d != D_QK or not R or not supports(q, kv_cache, block_size):
+        raise ValueError("narrow.launch: unsupported shapes/dtypes/layout (see narrow_rows() and common.supports())")
     fmt = kv_fmt(kv_cache)
-    out = torch.empty(B, s_q, H, _DV, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
-    if B == 0 or s_q == 0 or H == 0:
-        return out, lse
-    if num_splits is None:
-        num_splits = default_splits(B, H * s_q, block_table.shape[1] * block_size, q.device)
-    S = num_splits
-    o_part, l_part, info = planned_results(out, lse, S, block_table.shape[1] * block_size)
+    max_len = block_table.shape[1] * block_size
     gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
-    kv_desc, pe_desc, sc_desc = _descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     # FP8 staging stages of 32 keys: as many as fit in 227 KB next to Q, two 64-key tiles and P^T
     nst = 3 if (fmt == 1 and R == 16) else 2
-    _narrow_kernel[(S * B,)](
-        q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
-        q.stride(0), q.stride(1), q.stride(2),
-        block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        H, s_q, B, block_size, S, softmax_scale * _LOG2E * v_scale, v_scale,
-        R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
-        SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
-        P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
-        num_warps=4, maxnreg=168, **pdl_launch(H * s_q),
-    )
-    if S > 1:
-        combine(o_part, l_part, out, lse, info)
-    return out, lse
+
+    def split_kernel(o_part, l_part, info, S):
+        kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
+        _narrow_kernel[(S * B,)](
+            q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
+            q.stride(0), q.stride(1), q.stride(2),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            l_part.stride(0), l_part.stride(1), l_part.stride(2),
+            H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
+            R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
+            SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
+            P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
+            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+        )
+    splits = num_splits if num_splits is not None else (lambda: default_splits(B, H * s_q, max_len, q.device))
+    return run_splits(q, D_V, max_len, splits, split_kernel, pdl=pdl)

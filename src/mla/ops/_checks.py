@@ -1,0 +1,103 @@
+"""Argument validation of the public ops: each helper raises ``ValueError`` with a message that
+names the argument and the expected value, before anything runs."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
+    check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int32,
+           f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
+    check(length is None or t.shape[0] == length, f"{name}: expected length {length}, got {t.shape[0]}")
+    check(t.device == device, f"{name}: expected device {device}, got {t.device}")
+
+
+def as_float(name: str, x) -> float:
+    """A scale as a Python float: any real number (int, float, numpy or 0-d tensor), not a string."""
+    try:
+        f = None if isinstance(x, (str, bytes)) else float(x)
+    except (TypeError, ValueError):
+        f = None
+    check(f is not None and math.isfinite(f), f"{name}: expected a finite real number, got {x!r}"[:200])
+    return f
+
+
+def check_paged_values(block_table, cache_seqlens, num_blocks: int, block_size: int) -> None:
+    """CPU tensors only: every length fits the table, and every block a length reaches is in the
+    pool (a table's tail past a sequence's last block may hold anything, e.g. -1). On CUDA,
+    reading the values back would sync the stream and break CUDA-graph capture of decode."""
+    if block_table.device.type != "cpu":
+        return
+    cap = block_table.shape[1] * block_size
+    lens = cache_seqlens.long()
+    bad = ((lens < 0) | (lens > cap)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"cache_seqlens: expected lengths in 0..{cap} (block_table.shape[1] * block_size), "
+                         f"got {lens[bad[0]].item()} at index {bad[0]}")
+    reached = torch.arange(block_table.shape[1]) < (lens[:, None] + block_size - 1) // max(block_size, 1)
+    bad = (reached & ((block_table < 0) | (block_table >= num_blocks))).nonzero().tolist()
+    if bad:
+        b, j = bad[0]
+        raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for the blocks cache_seqlens "
+                         f"reach, got block_table[{b}, {j}] = {block_table[b, j].item()}")
+
+
+def offsets_ok(h: list, total: int) -> bool:
+    """Host offsets of packed rows: from 0 to ``total``, never decreasing."""
+    return h[0] == 0 and h[-1] == total and all(a <= b for a, b in zip(h, h[1:]))
+
+
+def host_offsets(name: str, cu: torch.Tensor, rows: str, total: int, hint_name: str, hint) -> list:
+    """cu's values on the host (``offsets_ok``); a host copy the caller gave (``hint``) must hold
+    the same values."""
+    h = cu.tolist()
+    check(offsets_ok(h, total), f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
+    check(hint is None or list(hint) == h, f"{hint_name}: expected {name}'s values {h}, got {hint!r}"[:300])
+    return h
+
+
+def describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def check_interpretable(op: str, is_reference: bool, device: torch.device, *tensors: torch.Tensor) -> None:
+    """Triton's interpreter (3.6 to 3.9) computes ``tl.dot`` on bfloat16 operands wrongly: refuse the
+    kernels on CPU bf16 tensors rather than return garbage (DESIGN.md section 5)."""
+    check(device.type != "cpu" or is_reference or all(t.dtype != torch.bfloat16 for t in tensors),
+          f"backend: expected 'torch' for bfloat16 {op} on CPU (Triton's interpreter computes bfloat16 dot "
+          "products wrongly; its kernels run float32 and float16 there)")
+
+
+def check_act(x, dims: str) -> None:
+    ndim = dims.count(",") + 1
+    check(isinstance(x, torch.Tensor) and x.dim() == ndim, f"x: expected a {ndim}-D tensor {dims}, got {describe(x)}")
+    check(x.dtype in FLOAT, f"x: expected float16, bfloat16 or float32, got {x.dtype}")
+
+
+def check_fp8_weight(x, weight, weight_scale_inv, out_dtype) -> torch.dtype:
+    """Checks of fp8_linear / fp8_bmm (any leading batch dims must match x's); returns out_dtype."""
+    lead, K = tuple(x.shape[:-2]), x.shape[-1]
+    check(isinstance(weight, torch.Tensor) and weight.dim() == x.dim() and tuple(weight.shape[:-2]) == lead
+           and weight.shape[-1] == K,
+           f"weight: expected [{', '.join(map(str, lead + ('N',)))}, {K}], got {describe(weight)}")
+    check(weight.dtype == torch.float8_e4m3fn, f"weight: expected float8_e4m3fn, got {weight.dtype}")
+    blocks = lead + (-(-weight.shape[-2] // 128), -(-K // 128))
+    check(isinstance(weight_scale_inv, torch.Tensor) and weight_scale_inv.dtype == torch.float32
+           and tuple(weight_scale_inv.shape) == blocks,
+           f"weight_scale_inv: expected float32 of shape {blocks}, got {describe(weight_scale_inv)}")
+    for name, t in (("weight", weight), ("weight_scale_inv", weight_scale_inv)):
+        check(t.device == x.device, f"{name}: expected device {x.device}, got {t.device}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    check(out_dtype in FLOAT, f"out_dtype: expected float16, bfloat16, float32 or None, got {out_dtype}")
+    return out_dtype

@@ -1,0 +1,403 @@
+"""The shared toolkit of the Hopper (sm90) decode kernels in Gluon: what ``seesaw``, ``narrow``
+and ``fp8`` have in common.
+
+- input checks and schedule: ``supports`` (the inputs every Hopper kernel takes), the split
+  count ``default_splits``, TMA ``descriptors`` over the cache rows;
+- the prologue: ``plan_and_block`` / ``plan_and_query`` (the split plan of ``split_plan`` and
+  the first loads issued under its latency), ``ring_barriers``;
+- the loader partition: ``loader`` (TMA copies of key tiles into a ring, one mbarrier a 64-column
+  box for 16-bit rows, one a tile for FP8 rows), ``copy_tile``, ``copy_fp8_tile``;
+- key tiles in shared memory: ``zero_tail`` (rows past a sequence's end may hold NaN, and
+  0 * NaN in P V would leak), ``widen`` (FP8 staging tile -> the MMAs' 16-bit dtype);
+- the two warpgroups' merge at the end of a split: ``merge_buffers``, ``send_state``,
+  ``merge_weights``, ``thread_major``;
+- programmatic dependent launch: ``pdl_launch``, ``wait_prerequisites``, ``launch_dependents``.
+
+Row layout constants: d = ``D_QK`` (576) = ``D_V`` (512, the latent and value) + 64 (k_pe);
+query rows come in tiles of ``BLOCK_M`` and keys in chunks of ``BLOCK_N`` (64).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from ..._jit import kv_fmt, num_sms
+from ..split_plan import planned_split_gluon
+
+LOG2E = 1.4426950408889634
+D_QK, D_V, BLOCK_M, BLOCK_N = 576, 512, 64, 64
+# rows of 64 columns for plain loads and stores of a tile (one warpgroup)
+TILE_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.jit
+def zero_tail(k_buf, kpe_buf, n0, end):
+    """Rows >= end of a loaded key tile -> 0 (they may hold NaN; 0 * NaN in P V would leak)."""
+    BN: gl.constexpr = k_buf.shape[0]
+    rl = gl.arange(0, BN, layout=gl.SliceLayout(1, TILE_LD_L))
+    keep = (n0 + rl < end)[:, None]
+    for c in gl.static_range(8):
+        part = k_buf.slice(c * 64, 64, dim=1)
+        x = part.load(TILE_LD_L)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    x = kpe_buf.load(TILE_LD_L)
+    kpe_buf.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _widen_part(x, dst, keep, full, sc, g: gl.constexpr, KV_FMT: gl.constexpr):
+    """128 columns of FP8 values (registers) -> dst in its dtype, times their scales (tile
+    rows); rows not kept -> 0 unless the tile is full (a select per value costs more than the
+    conversion)."""
+    if KV_FMT == 2:
+        col = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))[None, :] == g, sc, 0.0),
+                     axis=1)
+        y = (x.to(gl.float32) * col[:, None]).to(dst.dtype)
+    else:
+        y = x.to(dst.dtype)
+    if full:
+        dst.store(y)
+    else:
+        dst.store(gl.where(keep, y, gl.zeros_like(y)))
+
+
+@gluon.jit
+def widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
+    """FP8 tile j (staging stage j % NST) -> the compute dtype in k_buf / kpe_buf (free: the
+    caller waited), rows >= end zeroed (unused slots may hold NaN); the stage goes back to the
+    loader.
+    KV_FMT 1: e4m3 rows (kv_scale is applied outside: in qk_scale and on the output), widened
+    exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16).
+    All of the tile is read into registers before anything is written: the compiler puts a
+    barrier between shared-memory reads and writes it cannot tell apart, and one per 64
+    columns (read, barrier, write, barrier, ...) made the widening 2-3x slower than the loads."""
+    k8, pe8, sc8, free8 = st8
+    BN: gl.constexpr = k_buf.shape[0]
+    NST: gl.constexpr = k8.shape[0]
+    WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # 16 bytes of FP8 a thread
+    st = j % NST
+    ph = (j // NST) & 1
+    mbarrier.wait(ready.index(st * 9), ph)              # the whole tile (see loader)
+    src = k8.index(st)
+    x0 = src.slice(0, 128, dim=1).load(WL)
+    x1 = src.slice(128, 128, dim=1).load(WL)
+    x2 = src.slice(256, 128, dim=1).load(WL)
+    x3 = src.slice(384, 128, dim=1).load(WL)
+    pe = pe8.index(st).load(WL)
+    if KV_FMT == 2:
+        sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
+    else:
+        sc = 0.0
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
+    full = n0 + BN <= end
+    _widen_part(x0, k_buf.slice(0, 128, dim=1), keep, full, sc, 0, KV_FMT)
+    _widen_part(x1, k_buf.slice(128, 128, dim=1), keep, full, sc, 1, KV_FMT)
+    _widen_part(x2, k_buf.slice(256, 128, dim=1), keep, full, sc, 2, KV_FMT)
+    _widen_part(x3, k_buf.slice(384, 128, dim=1), keep, full, sc, 3, KV_FMT)
+    ype = pe.to(kpe_buf.dtype)
+    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(free8.index(st), count=1)
+
+
+@gluon.jit
+def plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p, num_splits, BN: gl.constexpr,
+                    BLOCK_B: gl.constexpr):
+    """``planned_split_gluon`` and the cache block of the split's first key (0 when it has no keys),
+    which the prologue loads for ``loader`` so that the first tile's copy does not wait on a
+    load of its own. Returns (b, seqlen, start, end, n_tiles, bt_row, blk0).
+
+    Not loaded ahead for the split of equal lengths: that needs sequence p // num_splits's
+    length first, and ptxas then waited for it before it sent the lengths' own load (sm_90a
+    SASS), which put a second memory latency in front of the plan."""
+    b, seqlen, start, end, n_tiles = planned_split_gluon(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)
+    bt_row = b.to(gl.int64) * stride_bt
+    blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
+    return b, seqlen, start, end, n_tiles, bt_row, blk0
+
+
+@gluon.jit
+def ring_barriers(NBUF: gl.constexpr, PER_SLOT: gl.constexpr = 9):
+    """The mbarriers of a ring that ``loader`` fills: ready[PER_SLOT slot + c] (one per 64-column
+    box; FP8 rows use ready[PER_SLOT slot] for the whole tile, so a kernel that reads only FP8
+    rows asks for one a slot: every init costs the prologue a thread barrier) and free[slot], all
+    with one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF * PER_SLOT, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF * PER_SLOT):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(free.index(i), count=1)
+    return ready, free
+
+
+@gluon.jit
+def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr, QL: gl.constexpr):
+    """Query rows r0 .. r0 + R - 1's nine 64-column chunks ([R, 64] in QL, zero past H * s_q) as a
+    tuple, all loads in flight on return: a prologue issues them first and sets up under their
+    latency."""
+    rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+    cl = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    ptr = (Q + q_off + (rows // H) * stride_qi + (rows % H) * stride_qh)[:, None] + cl[None, :]
+    mask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    return (gl.load(ptr, mask=mask, other=0.0), gl.load(ptr + 64, mask=mask, other=0.0),
+            gl.load(ptr + 128, mask=mask, other=0.0), gl.load(ptr + 192, mask=mask, other=0.0),
+            gl.load(ptr + 256, mask=mask, other=0.0), gl.load(ptr + 320, mask=mask, other=0.0),
+            gl.load(ptr + 384, mask=mask, other=0.0), gl.load(ptr + 448, mask=mask, other=0.0),
+            gl.load(ptr + 512, mask=mask, other=0.0))
+
+
+@gluon.jit
+def plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p, num_splits, BLOCK_B: gl.constexpr, Q, stride_qb,
+                    H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr):
+    """``plan_and_block`` (64-key tiles) and the query rows r0 .. r0 + R - 1 of the program's
+    sequence (``_query_chunks``, [R, 64] chunks in the prologue's layout). The query's loads go
+    out first, for sequence p // num_splits (the plan's when the lengths are equal), so that
+    they land under the plan's latency as they did under the length's before; where the plan
+    gives another sequence they go out again. Returns (b, seqlen, start, end, n_tiles, bt_row,
+    blk0, xq)."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    guess = p // num_splits
+    xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
+    # a barrier, so that the query's loads go out before the plan: without it ptxas put them after
+    # the plan's first use of the lengths, behind the lengths' latency (sm_90a SASS)
+    gl.thread_barrier()
+    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+                                                                   num_splits, 64, BLOCK_B)
+    if b != guess:      # mixed lengths
+        xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
+    return b, seqlen, start, end, n_tiles, bt_row, blk0, xq
+
+
+@gluon.jit
+def loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
+            blk0, KV_FMT: gl.constexpr, HALVES: gl.constexpr = False, j0=0):
+    """TMA loads of n_tiles tiles of keys from ``start`` into a ring (tile j -> slot j % ring size,
+    once ``free`` says the slot's last tile was consumed), 9 boxes of 64 columns. Rows in q's
+    dtype: one mbarrier per box (ready[9 slot + c]), so S can start on the first columns. FP8
+    rows: one mbarrier for the whole tile (ready[PER_SLOT slot], ``ring_barriers``), as the
+    widening reads all of it (every wait costs the warpgroup a barrier); tile rows: 8 latent
+    boxes, k_pe and the scales.
+    HALVES (rows in q's dtype): the slot is released in two halves, free[2 slot] for columns
+    0..255 and free[2 slot + 1] for 256..511, k_pe going with the half of the tile's owner (even
+    tiles: the first); each half is refilled as soon as it is released. blk0: tile 0's block
+    (``plan_and_block``). j0: the first tile to copy (the prologue copied those before it, each into
+    its own slot)."""
+    BN: gl.constexpr = ring.shape[1]
+    NBUF: gl.constexpr = ring.shape[0]
+    for j in range(j0, n_tiles):
+        buf = j % NBUF
+        n0 = start + j * BN
+        blk = gl.load(BT + bt_row + n0 // block_size, mask=j > 0, other=blk0)
+        row0 = blk * block_size + n0 % block_size
+        if HALVES:
+            fph = ((j // NBUF) & 1) ^ 1
+            for h in gl.static_range(2):
+                mbarrier.wait(free.index(2 * buf + h), fph)
+                for c in gl.static_range(4 * h, 4 * h + 4):
+                    bar = ready.index(buf * 9 + c)
+                    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar,
+                                                    ring.index(buf).slice(c * 64, 64, dim=1))
+                if j % 2 == h:
+                    bar = ready.index(buf * 9 + 8)
+                    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+        elif KV_FMT == 0:
+            mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
+            copy_tile(ring, ring_pe, ready, buf, row0, kv_desc)
+        else:
+            mbarrier.wait(free.index(buf), ((j // NBUF) & 1) ^ 1)
+            copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT)
+
+
+@gluon.jit
+def copy_tile(ring, ring_pe, ready, buf, row0, kv_desc):
+    """The TMA copies of one tile of rows in q's dtype, from cache row row0 into ring slot buf:
+    8 latent boxes and k_pe, each on its own ready barrier (ready[9 buf + c])."""
+    for c in gl.static_range(8):
+        bar = ready.index(buf * 9 + c)
+        mbarrier.expect(bar, kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
+    bar = ready.index(buf * 9 + 8)
+    mbarrier.expect(bar, kv_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+
+
+@gluon.jit
+def copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT: gl.constexpr):
+    """The TMA copies of one tile of FP8 rows (KV_FMT 1) or tile rows (2), from cache row row0
+    into ring slot buf, all on the slot's one ready barrier."""
+    NBUF: gl.constexpr = ring.shape[0]
+    bar = ready.index(buf * (ready.shape[0] // NBUF))
+    if KV_FMT == 1:
+        mbarrier.expect(bar, 9 * kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0, 512], bar, ring_pe.index(buf))
+    else:
+        mbarrier.expect(bar, 8 * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes
+                        + sc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, ring_pe.index(buf))
+        tma.async_copy_global_to_shared(sc_desc, [row0, 0], bar, ring_sc.index(buf))
+    for c in gl.static_range(8):
+        tma.async_copy_global_to_shared(kv_desc, [row0, c * 64], bar, ring.index(buf).slice(c * 64, 64, dim=1))
+
+
+@gluon.jit
+def wait_prerequisites():
+    """Wait until the kernels this one follows have finished and their writes are visible. The
+    Gluon decode kernels are launched as programmatic dependents (``pdl_launch``) and call this
+    before they read anything (after setting up their mbarriers, which read no memory); without
+    PDL it returns at once."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def launch_dependents():
+    """Let a programmatic dependent launch (the split combine, ``pdl_launch``) start once every
+    program has passed this point, instead of after the last one exits (no-op without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+def pdl_launch(rows: int, pdl: bool = True) -> dict:
+    """Launch options of a Gluon decode kernel for ``rows`` query rows (H * s_q): with ``pdl``
+    and at most 32 rows a programmatic dependent launch, so that its programs are placed on the
+    SMs as the kernel before it drains (they wait in ``wait_prerequisites``) instead of after it
+    has exited. That saves up to 7% of a step at 16 heads (batch 1 the most); at 128 heads (the
+    seesaw, many programs a wave) the early placement costs 1-3%, so not there."""
+    return {"launch_pdl": True} if pdl and rows <= 32 else {}
+
+
+@gluon.constexpr_function
+def thread_major(layout):
+    """A shared layout for a tensor in the distributed linear ``layout`` (``gl.to_linear_layout``)
+    of one warpgroup: register k of thread t at word 128 k + t, so that a warp's access to one
+    register is 128 adjacent bytes (no bank conflicts) and a warpgroup in the same layout reads
+    back what another wrote, thread for thread."""
+    return gl.SharedLinearLayout(list(layout.lane_bases) + list(layout.warp_bases) + list(layout.reg_bases))
+
+
+@gluon.jit
+def merge_buffers(R: gl.constexpr):
+    """The mbarrier and the [2 R] row maxima and sums through which warpgroup 1 hands its state
+    to warpgroup 0 (``send_state``, ``merge_weights``)."""
+    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(xbar, count=1)
+    xml = gl.allocate_shared_memory(gl.float32, [2 * R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return xbar, xml
+
+
+@gluon.jit
+def send_state(xo, o, xml, m_i, l_i, xbar):
+    """Warpgroup 1's half of merging the two warpgroups' results of a split: its O (into xo, a
+    ``thread_major`` buffer in o's layout), row maxima and sums (xml [2 R]) into shared memory,
+    then xbar (one arrival)."""
+    R: gl.constexpr = m_i.shape[0]
+    xo.store(o)
+    xml.slice(0, R).store(m_i)
+    xml.slice(R, R).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar, count=1)
+
+
+@gluon.jit
+def merge_weights(xml, xbar, m_i, l_i, v_scale):
+    """Warpgroup 0's half, once xbar says warpgroup 1's state is in: per query row the weights
+    (w0, w1) of out = w0 O0 + w1 O1 (the rescales to the common max over the merged sum, times
+    v_scale; 0 for a row that saw no key) and the merged lse (natural log, -inf without keys)."""
+    R: gl.constexpr = m_i.shape[0]
+    mbarrier.wait(xbar, 0)
+    m1 = xml.slice(0, R).load(m_i.type.layout)
+    l1 = xml.slice(R, R).load(m_i.type.layout)
+    m = gl.maximum(m_i, m1)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    a0 = gl.exp2(m_i - m_safe)
+    a1 = gl.exp2(m1 - m_safe)
+    l_i = a0 * l_i + a1 * l1
+    empty = l_i == 0.0
+    inv = v_scale / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return a0 * inv, a1 * inv, lse
+
+
+@gluon.constexpr_function
+def acc_layout(R):
+    """A warpgroup MMA accumulator [M, R] with R query rows on N (the keys-on-M kernels)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16])
+
+
+_ROW = {0: D_QK, 1: D_QK, 2: D_V + 4 * D_V // 128 + 2 * (D_QK - D_V)}     # elements (bytes for FP8) per row
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_size: int | None = None) -> bool:
+    """True when the Hopper kernels take these tensors (else the portable kernel serves them):
+    bf16/fp16 queries over rows in their dtype, FP8 rows (float8_e4m3fn) or FP8 tile rows
+    (uint8, ``mla.quant``)."""
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            return False
+        kv_cache = kv_cache.squeeze(2)
+    if block_size is None:
+        block_size = kv_cache.shape[1]
+    if not (q.is_cuda and kv_cache.is_cuda and q.device == kv_cache.device):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    fmt = kv_fmt(kv_cache)
+    if q.dtype not in (torch.bfloat16, torch.float16) or (fmt == 0 and kv_cache.dtype != q.dtype):
+        return False
+    if q.dim() != 4 or q.shape[-1] != D_QK or kv_cache.shape[-1] != _ROW[fmt] or q.stride(-1) != 1:
+        return False
+    if block_size % BLOCK_N != 0 or kv_cache.shape[1] != block_size:
+        return False
+    # the cache must be one 2-D matrix of rows for the TMA descriptor
+    if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != block_size * kv_cache.stride(1):
+        return False
+    if (kv_cache.stride(1) * kv_cache.element_size()) % 16 or kv_cache.data_ptr() % 16:
+        return False
+    return True
+
+
+def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> int:
+    """Splits of the cache per sequence. More splits give each program fewer keys, but each
+    split leaves partials (2 KB per query row in float32, 1 KB in 16 bits) to write and
+    combine: a step takes about a + b L / S + c B rows S, best at S = sqrt(b L / (c B rows)).
+    Fitted on the H200 with float32 partials (128 heads, batch 1, 4k: b = 0.019 us per key,
+    c = 0.49 ns per row and split) that is 6.2 sqrt(L / (B rows)); capped at ``waves`` waves of
+    one-per-SM programs and one split per 64 keys."""
+    ctas = B * triton.cdiv(rows, BLOCK_M)
+    per_seq = max(1, waves * num_sms(device.index or 0) // max(ctas, 1))
+    balanced = 6.2 * math.sqrt(max_len / max(B * rows, 1))
+    # a count that gives every split of the longest sequence whole 64-key tiles (the plan,
+    # ``split_plan``, splits in whole tiles), as many tiles as the balance asks and at least
+    # what one wave needs
+    tiles = max(1, round(max_len / (BLOCK_N * balanced)), triton.cdiv(max_len, BLOCK_N * per_seq))
+    return triton.cdiv(max_len, BLOCK_N * tiles)
+
+
+def descriptors(kv_cache, fmt: int, block_n: int, gdt):
+    """TMA descriptors over the cache rows as one 2-D matrix: (rows or FP8 latent, k_pe, scales);
+    the last two only for FP8 tile rows (else the first again)."""
+    num_blocks, block_size, width = kv_cache.shape
+    rows = kv_cache.as_strided((num_blocks * block_size, width), (kv_cache.stride(1), 1))
+
+    def desc(t, cols, dt):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [block_n, cols],
+                                gl.NVMMASharedLayout.get_default_for([block_n, cols], dt))
+    if fmt == 0:
+        d = desc(rows, 64, gdt)
+        return d, d, d
+    if fmt == 1:
+        d = desc(rows, 64, gl.float8e4nv)
+        return d, d, d
+    lat = rows[:, :D_V].view(torch.float8_e4m3fn)
+    sc = rows[:, D_V: D_V + 4 * D_V // 128].view(torch.float32)
+    pe = rows[:, D_V + 4 * D_V // 128:].view(torch.bfloat16)
+    return desc(lat, 64, gl.float8e4nv), desc(pe, 64, gl.bfloat16), desc(sc, 4, gl.float32)

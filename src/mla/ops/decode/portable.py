@@ -1,0 +1,215 @@
+"""The portable split-KV absorbed MLA decode in Triton (any GPU, and CPU through the interpreter).
+
+Notation: a cache row is ``[c_kv (dv = kv_lora_rank) | k_pe (dr = qk_rope_head_dim)]``;
+the key is the whole row, the value its first ``dv`` entries. Every query row of a
+sequence (``s_q`` tokens x ``H`` heads) sees the same keys, so they are flattened
+into the M dimension of the tensor-core tiles: row ``m = i * H + h``.
+
+Schedule (the split count from shapes only, so a step can be captured in a CUDA graph):
+
+    grid = (ceil(H * s_q / BLOCK_M), num_splits * B)
+    program (mb, p):     a run of BLOCK_N-key chunks of one sequence b, shared out by the
+                         lengths (read on the device, ``split_plan``: a long sequence
+                         among short ones gets most of the programs), BLOCK_N keys per step:
+        S   = q_nope @ c_kv^T + q_pe @ k_pe^T          # [BLOCK_M, BLOCK_N], fp32
+        online softmax (base 2), acc += P @ c_kv         # [BLOCK_M, dv], fp32
+        -> partial (out, lse) per program, or the final result when num_splits == 1
+    combine (``combine.py``): out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s over b's programs
+
+Masking: loads past a sequence's end are masked with ``other=0`` (never dereferenced:
+NaN in unused blocks or tail slots cannot leak), invisible scores are set to -inf
+with ``tl.where``; an empty row gives out = 0, lse = -inf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._jit import jit, kv_fmt, num_sms
+from .combine import run_splits
+from .split_plan import block_b, planned_split
+
+__all__ = ["DecodeConfig", "default_config", "launch"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shapes and schedule of one launch (compile-time constants of the kernel)."""
+
+    block_m: int = 64        # query rows (heads x s_q) per program, padded to >= 16
+    block_n: int = 64        # keys per inner step
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int = 1      # programs per sequence along the cache length
+    page_tile: bool = True   # when block_size % block_n == 0: one block-table read per tile
+
+
+@jit
+def _query_rows(q_row, row_ok, dv, dv_ok, dr, dr_ok, DV):
+    """The query rows at q_row ([BLOCK_M] pointers): (q_nope [BLOCK_M, BLOCK_DV], q_pe [BLOCK_M,
+    BLOCK_DR]), zero where masked."""
+    q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+    return q_nope, q_pe
+
+
+@jit
+def _decode_split_kernel(
+    Q, KV, BT, SEQLENS, O, LSE, INFO,
+    stride_qb, stride_qi, stride_qh,
+    stride_kv_blk, stride_kv_row,
+    stride_bt,
+    stride_os, stride_ob, stride_oi, stride_oh,
+    stride_ls, stride_lb, stride_li,
+    H, S_Q, B, DV, DR, block_size, num_splits, qk_scale, v_scale,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    prog = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < H * S_Q
+    qi = m // H
+    h = m % H
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    dv_ok = dv < DV
+    dr_ok = dr < DR
+
+    # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
+    # the lengths are equal), so that they land under its arithmetic; again where it differs
+    guess = prog // num_splits
+    q_row = Q + qi * stride_qi + h * stride_qh
+    q_nope, q_pe = _query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
+    tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
+    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
+    if b != guess:      # mixed lengths
+        q_nope, q_pe = _query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
+    if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
+
+    if CAUSAL:
+        limit = seqlen - S_Q + qi + 1        # query i sees keys < limit
+    else:
+        limit = tl.full([BLOCK_M], 0, dtype=tl.int32) + seqlen
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        if PAGE_TILE:  # the tile lies inside one page: one block-table read, rows evenly strided
+            blk = tl.load(bt_row + start_n // block_size).to(tl.int64)
+            kv_row = KV + blk * stride_kv_blk + (start_n % block_size + tl.arange(0, BLOCK_N)) * stride_kv_row
+        else:
+            blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
+            kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
+        if KV_FMT == 2:   # FP8 tile rows (bytes): [c_kv e4m3 | DV/128 float32 scales | k_pe bf16]
+            c8 = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0)
+            t = tl.arange(0, BLOCK_DV // 128)         # one float32 scale per 128 latent values
+            scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + t[None, :],
+                            mask=n_ok[:, None] & (t < DV // 128)[None, :], other=0.0)
+            c = tl.reshape(c8.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, BLOCK_DV // 128, 128])
+            c_kv = tl.reshape(c * scale[:, :, None], [BLOCK_N, BLOCK_DV]).to(Q.dtype.element_ty)
+            k_pe = tl.load((kv_row + DV + 4 * (DV // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] + dr[None, :],
+                           mask=n_ok[:, None] & dr_ok[None, :], other=0.0).to(Q.dtype.element_ty)
+        else:             # plain rows; FP8 rows (KV_FMT 1) widen exactly, kv_scale is in qk_scale and v_scale
+            c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                           other=0.0).to(q_nope.dtype)
+            k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :],
+                           other=0.0).to(q_nope.dtype)
+        if IEEE:
+            s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_nope, tl.trans(c_kv))
+            s = tl.dot(q_pe, tl.trans(k_pe), s)
+        visible = n_ok[None, :] & (n[None, :] < limit[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_row = O + prog.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
+    tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    l_row = LSE + prog.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
+    tl.store(l_row, lse, mask=row_ok)
+
+
+def default_config(q: torch.Tensor, max_len: int) -> DecodeConfig:
+    """The schedule for a launch, from host-known shapes only (no device reads).
+
+    Query rows padded to 16..64 per program; 64-key tiles, 8 warps (the fastest on an H200
+    at 16 and 128 heads). Enough splits of the cache for about two
+    waves of programs when few rows share a tile (memory-bound: latency hiding) and one
+    wave otherwise, with no split shorter than one 64-key tile.
+    """
+    B, s_q, H, _ = q.shape
+    rows = H * s_q
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if q.device.type != "cuda":  # the interpreter: small tiles, a couple of splits to exercise the combine
+        return DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                            num_splits=max(1, min(3, math.ceil(max_len / 16))))
+    if q.dtype == torch.float32:  # fp32 operands: FMA path, small key tiles to fit shared memory
+        block_m = min(block_m, 32)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=8, num_stages=1,
+                            num_splits=_splits(q, B * triton.cdiv(rows, block_m), 1, max_len))
+    ctas = B * triton.cdiv(rows, block_m)
+    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2,
+                        num_splits=_splits(q, ctas, 2 if block_m == 16 else 1, max_len))
+
+
+def _splits(q: torch.Tensor, ctas: int, waves: int, max_len: int) -> int:
+    per_seq = max(1, waves * num_sms(q.device.index or 0) // ctas)
+    return max(1, min(per_seq, triton.cdiv(max_len, 64)))
+
+
+def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, cfg: DecodeConfig,
+           kv_scale: float = 1.0, *, pdl: bool = True):
+    """``mla_decode`` on this kernel with an explicit schedule (the benchmark compares several)."""
+    B, s_q, H, d = q.shape
+    fmt = kv_fmt(kv_cache)
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dv, dr = head_dim_v, d - head_dim_v
+    block_dv = triton.next_power_of_2(dv)
+    block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
+
+    def split_kernel(o_part, l_part, info, S):
+        _decode_split_kernel[(triton.cdiv(H * s_q, cfg.block_m), S * B)](
+            q, kv_cache, block_table, cache_seqlens, o_part, l_part, info,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            l_part.stride(0), l_part.stride(1), l_part.stride(2),
+            H, s_q, B, dv, dr, kv_cache.shape[1], S,
+            softmax_scale * LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
+            CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt,
+            PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_B=block_b(B),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return run_splits(q, dv, block_table.shape[1] * kv_cache.shape[1], cfg.num_splits, split_kernel, pdl=pdl)

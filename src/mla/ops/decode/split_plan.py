@@ -1,0 +1,246 @@
+"""The split plan of the decode kernels: which keys each program reads and where it writes.
+
+A launch has P = num_splits * B programs (num_splits from shapes only, so a decode step can be
+captured in a CUDA graph), and every program computes the plan from the B lengths on the
+device (no host sync). The plan makes the busiest program's work the least it can be: T, the
+fewest chunks a program, is the least with sum_b max(1, ceil(c_b / T)) <= P for the sequences'
+chunk counts c_b (a binary search between ceil(total / P) and the smaller of the longest c_b
+and ceil(total / (P - B)), as FlashInfer's host plan searches its chunk size; with one split,
+P = B, T is the longest). Sequence b gets max(1, ceil(c_b / T)) programs, the programs left
+over go one each to the sequences in turn, and program p takes the k-th of its sequence's
+nearly equal runs of whole chunks. So a long sequence among short ones is spread over many
+SMs, where one program a sequence plus a share of the rest by chunks would leave it about
+twice the ideal work. Equal lengths give num_splits programs a sequence, in order: the grid
+of a fixed split count.
+
+Program p writes its results into slot p (``planned_results``); ``combine`` merges each
+sequence's slots. The rule is written twice, ``planned_split`` in Triton (the portable kernel)
+and ``planned_split_gluon`` in Gluon (the Hopper kernels), because neither language can call
+the other's functions; ``plan`` is the same rule on the host, the oracle that tests hold both
+to.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .._jit import jit
+
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan"]
+
+
+@jit
+def planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program p's share of the batch's keys in whole BN-key chunks: the plan (module docstring)
+    in Triton, for the portable kernel. INFO[b] = (first program, count), for ``combine``.
+    Returns (b, seqlen, start, end)."""
+    i = tl.arange(0, BLOCK_B)
+    ok = i < B
+    lens = tl.load(SEQLENS + i, mask=ok, other=0)
+    if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
+        # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
+        b = p // num_splits
+        k = p % num_splits
+        seqlen = tl.max(lens, 0)
+        c = (seqlen + BN - 1) // BN
+        start = k * c // num_splits * BN
+        end = tl.minimum((k + 1) * c // num_splits * BN, seqlen)
+        tl.store(INFO + 2 * b, p, mask=k == 0)
+        tl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+    else:
+        # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
+        chunks = (lens + BN - 1) // BN
+        total = tl.sum(chunks, 0)
+        P = num_splits * B
+        lo = tl.maximum((total + P - 1) // P, 1)
+        # T = the longest always fits, and with P > B so does ceil(total / (P - B)) (the sum is
+        # at most B + total / T); with P = B that is the answer (no search)
+        hi = tl.maximum(tl.max(chunks, 0), lo)
+        if num_splits == 1:
+            lo = hi
+        else:
+            hi = tl.minimum(hi, tl.maximum((total + P - B - 1) // (P - B), lo))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = tl.sum(tl.where(ok, tl.maximum((chunks + mid - 1) // mid, 1), 0), 0) <= P
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid + 1)
+        n = tl.where(ok, tl.maximum((chunks + lo - 1) // lo, 1), 0)
+        left = P - tl.sum(n, 0)                        # >= 0: one each in turn
+        count = (n + tl.where(ok, left // B + (i < left % B).to(tl.int32), 0)).to(tl.int64)
+        last = tl.cumsum(count, 0)
+        first = last - count
+        mine = ok & (first <= p) & (p < last)
+        b = tl.sum(tl.where(mine, i, 0), 0)
+        seqlen = tl.sum(tl.where(mine, lens, 0), 0)
+        f = tl.sum(tl.where(mine, first, 0), 0)
+        m = tl.sum(tl.where(mine, count, 0), 0)
+        cb = tl.sum(tl.where(mine, chunks, 0), 0).to(tl.int64)
+        kb = p - f
+        start = (kb * cb // m).to(tl.int32) * BN
+        end = tl.minimum(((kb + 1) * cb // m).to(tl.int32) * BN, seqlen)
+        tl.store(INFO + 2 * b, f.to(tl.int32), mask=kb == 0)
+        tl.store(INFO + 2 * b + 1, m.to(tl.int32), mask=kb == 0)
+    return b, seqlen, start, end
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.constexpr_function
+def _plan_layout(BLOCK_B):
+    """The plan's [BLOCK_B] vectors whole in every warp (the 4 warps hold copies), so that its
+    sums and prefix sum stay within a warp: shuffles, no shared memory or barrier."""
+    return gl.BlockedLayout([max(1, BLOCK_B // 32)], [32], [4], [0])
+
+
+@gluon.jit
+def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: gl.constexpr):
+    """Program p's share of the batch's keys: the plan (module docstring) in Gluon, for the
+    Hopper kernels, in 64-key chunks; the program's keys [start, end) are n_tiles tiles of BN
+    keys. INFO[b] = (first, count), b's slots, for ``combine`` (written by b's first program).
+
+    The plan lies on the path to the first tile's copy, so its shape is chosen for latency:
+    equal lengths (one round of reductions to find out) take the fixed split's arithmetic;
+    otherwise each lane works out its own sequence's slots (a round of sums for each step of
+    the search, then a scan), and one round of sums picks program p's sequence and its
+    numbers (a reduction per quantity, or int64 divisions in every lane, cost 1-2 us a
+    launch). Counts in int32 (``planned_results`` checks the range), runs in int64. Returns
+    (b, seqlen, start, end, n_tiles)."""
+    i = gl.arange(0, BLOCK_B, layout=_plan_layout(BLOCK_B))
+    ok = i < B
+    lens = gl.load(SEQLENS + i, mask=ok, other=0)
+    if gl.min(gl.where(ok, lens, 2147483647), axis=0) == gl.max(lens, axis=0):
+        # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
+        b = p // num_splits
+        k = p % num_splits
+        seqlen = gl.max(lens, axis=0)
+        c = (seqlen + 63) // 64
+        start = k * c // num_splits * 64
+        end = gl.minimum((k + 1) * c // num_splits * 64, seqlen)
+        gl.store(INFO + 2 * b, p, mask=k == 0)
+        gl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+    else:
+        # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
+        chunks = (lens + 63) // 64
+        total = gl.sum(chunks, axis=0)
+        P = num_splits * B
+        lo = gl.maximum((total + P - 1) // P, 1)
+        # T = the longest always fits, and with P > B so does ceil(total / (P - B)) (the sum is
+        # at most B + total / T); with P = B that is the answer (no search)
+        hi = gl.maximum(gl.max(chunks, axis=0), lo)
+        if num_splits == 1:
+            lo = hi
+        else:
+            hi = gl.minimum(hi, gl.maximum((total + P - B - 1) // (P - B), lo))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = gl.sum(gl.where(ok, gl.maximum((chunks + mid - 1) // mid, 1), 0), axis=0) <= P
+            hi = gl.where(fits, mid, hi)
+            lo = gl.where(fits, lo, mid + 1)
+        n = gl.where(ok, gl.maximum((chunks + lo - 1) // lo, 1), 0)
+        left = P - gl.sum(n, axis=0)                       # >= 0
+        count = (n + gl.where(ok, left // B + (i < left % B).to(gl.int32), 0)).to(gl.int64)
+        last = gl.associative_scan(count, 0, _add)
+        first = last - count
+        mine = ok & (first <= p) & (p < last)
+        # program p's sequence and its (first, count, length, chunks), in one round of sums
+        b = gl.sum(gl.where(mine, i, 0), axis=0)
+        seqlen = gl.sum(gl.where(mine, lens, 0), axis=0)
+        f = gl.sum(gl.where(mine, first, 0), axis=0)
+        m = gl.sum(gl.where(mine, count, 0), axis=0)
+        cb = gl.sum(gl.where(mine, chunks, 0), axis=0).to(gl.int64)
+        kb = p - f
+        start = (kb * cb // m).to(gl.int32) * 64
+        end = gl.minimum(((kb + 1) * cb // m).to(gl.int32) * 64, seqlen)
+        gl.store(INFO + 2 * b, f.to(gl.int32), mask=kb == 0)
+        gl.store(INFO + 2 * b + 1, m.to(gl.int32), mask=kb == 0)
+    # through shared memory, each thread reading all four (no cross-lane step after the load):
+    # straight from the reductions, start and end made the warpgroups' branches divergent in the
+    # SASS (BSSY) and spilled warpgroup 1's loop (sm_90a, 272 bytes of stack against 48)
+    V: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    t = gl.arange(0, 4, layout=V)
+    buf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    buf.store(gl.where(t == 0, b, gl.where(t == 1, seqlen, gl.where(t == 2, start, end))))
+    gl.thread_barrier()
+    v = buf.load(V)
+    b = gl.sum(gl.where(t == 0, v, 0), axis=0)
+    seqlen = gl.sum(gl.where(t == 1, v, 0), axis=0)
+    start = gl.sum(gl.where(t == 2, v, 0), axis=0)
+    end = gl.sum(gl.where(t == 3, v, 0), axis=0)
+    return b, seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN
+
+
+def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_len: int,
+                    part_dtype: torch.dtype = torch.float32):
+    """Where the split kernels write (the plan:
+    P = num_splits * B programs, program p into slot p), as [P, B, ...] views that a kernel
+    addresses at (p, b): out and lse themselves when there is one split (slot strides 0:
+    program p is sequence p), else partials of P slots (sequence strides 0), the outputs in
+    part_dtype, the lse in float32. info [B, 2] int32: each sequence's (first slot, slot count),
+    written by the kernel for ``combine``. max_len: the block table's capacity (the plan counts
+    chunks and splits equal lengths in int32).
+
+    part_dtype: float32, or the output's own 16-bit dtype where a kernel stores its partials
+    well in it (the FP8 kernel's 16-byte stores, the seesaw's TMA boxes), as FlashInfer's MLA
+    keeps its partials: half the bytes to write and read back (1 KB a query row and split),
+    for one more rounding of each split's normalized output (a relative 2^-9 in bf16).
+    Returns (o_part, l_part, info)."""
+    if part_dtype not in (torch.float32, out.dtype):
+        raise ValueError(f"part_dtype: expected float32 or the output's dtype {out.dtype}, got {part_dtype}")
+    B = out.shape[0]
+    P = num_splits * B
+    if max(num_splits, B) * -(-max_len // 16) >= 2 ** 31:
+        raise ValueError(f"block_table: {max_len} keys a sequence in {num_splits} splits of a batch of {B} is past "
+                         f"the split plan's int32 arithmetic (max(splits, batch) x keys / 16 < 2^31)")
+    info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
+    if num_splits == 1:
+        return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info
+    o = torch.empty(P, *out.shape[1:], dtype=part_dtype, device=out.device)
+    l_ = torch.empty(P, *lse.shape[1:], dtype=torch.float32, device=out.device)
+    return o.unsqueeze(1).expand(P, *out.shape), l_.unsqueeze(1).expand(P, *lse.shape), info
+
+
+def block_b(B: int) -> int:
+    """The plan's vector width (``planned_split``) for a batch of B: B rounded up to a power of
+    two, at least 16 (a compile-time constant: a new power of two compiles the kernel again)."""
+    return max(16, triton.next_power_of_2(B))
+
+
+def plan(lens: list[int], num_splits: int, chunk: int) -> list[tuple[int, int, int]]:
+    """The plan on the host: for each program p of P = num_splits * len(lens), its (b, start,
+    end) in keys, with chunks of ``chunk`` keys (the kernels' BN, 64 for the Hopper kernels)."""
+    B, P = len(lens), num_splits * len(lens)
+    if B == 0:
+        return []
+    if min(lens) == max(lens):
+        c = -(-lens[0] // chunk)
+        return [(p // num_splits, p % num_splits * c // num_splits * chunk,
+                 min((p % num_splits + 1) * c // num_splits * chunk, lens[0])) for p in range(P)]
+    chunks = [-(-n // chunk) for n in lens]
+    total = sum(chunks)
+    lo = max(-(-total // P), 1)
+    hi = max(max(chunks), lo)
+    if num_splits == 1:
+        lo = hi
+    else:
+        hi = min(hi, max(-(-total // (P - B)), lo))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(max(-(-c // mid), 1) for c in chunks) <= P:
+            hi = mid
+        else:
+            lo = mid + 1
+    n = [max(-(-c // lo), 1) for c in chunks]
+    left = P - sum(n)
+    count = [n[b] + left // B + (b < left % B) for b in range(B)]
+    out = []
+    for b in range(B):
+        for k in range(count[b]):
+            out.append((b, k * chunks[b] // count[b] * chunk, min((k + 1) * chunks[b] // count[b] * chunk, lens[b])))
+    return out

@@ -1,0 +1,192 @@
+"""The Triton kernel of ``prefill_attention``: varlen causal flash attention with log-sum-exp.
+
+Shapes (packed, one row per token): q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv];
+sequence b owns q rows cu_seqlens_q[b]..[b+1] and k/v rows cu_seqlens_k[b]..[b+1].
+Causal aligns the ends: query i of nq sees keys j <= i + nk - nq (a cached prefix of
+nk - nq keys is visible to every query). A query with no visible key: out 0, lse -inf.
+
+Schedule of the Triton kernel (tutorial 06, varlen):
+
+    grid = (ceil(Tq / BLOCK_M) + B, H), from shapes only; heaviest query tiles first
+    program (tile, h):  its sequence b and rows from a binary search over cu_seqlens_q
+                        (sequences sit BLOCK_M rows apart in tile space); q tile
+                        [BLOCK_M, dq] in registers, split into a power-of-two part DA
+                        and a rest DB (192 = 128 + 64: no padding to 256)
+        keys [0, full_end):   every query of the tile sees every key, no mask
+        keys [full_end, hi):  the diagonal band, masked (causal / sequence end)
+        S = q_a k_a^T + q_b k_b^T, online softmax in base 2, acc += P v
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._jit import jit
+
+__all__ = ["PrefillConfig", "default_config", "launch"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)   # a constexpr: kernels may read it
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shapes of one launch (compile-time constants of the kernel)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@jit
+def _prefill_kernel(
+    Q, K, V, O, LSE, CU_Q, CU_K,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    qk_scale, B,
+    DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG_B: tl.constexpr,
+):
+    # Tiles cut a padded row space where sequence b starts at P[b] = cu_q[b] + b * BLOCK_M:
+    # the BLOCK_M rows of padding after each sequence mean a tile meets at most one of them
+    # (found by binary search on P, no host read, no prefix-sum tensor). Reversed: the last
+    # (heaviest causal) tiles start first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    last_row = tile * BLOCK_M + BLOCK_M - 1
+    lo = 0                                # b = the largest index with P[b] <= last_row
+    hi = B - 1
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(CU_Q + mid) + mid * BLOCK_M <= last_row
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    b = lo
+    q0 = tl.load(CU_Q + b)
+    nq = tl.load(CU_Q + b + 1) - q0
+    start_m = tile * BLOCK_M - (q0 + b * BLOCK_M)    # may be < 0: rows before the sequence
+    if start_m >= nq:                                 # the tile lies in padding
+        return
+    k0 = tl.load(CU_K + b)
+    nk = tl.load(CU_K + b + 1) - k0
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = (offs_m >= 0) & (offs_m < nq)
+    da = tl.arange(0, BLOCK_DA)
+    db = tl.arange(0, BLOCK_DB)
+    dv = tl.arange(0, BLOCK_DV)
+    q_ptr = Q + (q0 + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q_a = tl.load(q_ptr + da[None, :], mask=m_ok[:, None] & (da[None, :] < DA), other=0.0)
+    if DB > 0:
+        q_b = tl.load(q_ptr + DA + db[None, :], mask=m_ok[:, None] & (db[None, :] < DB), other=0.0)
+    k_ptr = K + k0.to(tl.int64) * stride_kt + h * stride_kh
+    v_ptr = V + k0.to(tl.int64) * stride_vt + h * stride_vh
+
+    off = nk - nq                  # keys before the first query (cached prefix)
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(nk, start_m + BLOCK_M + off), 0)
+        full_end = tl.maximum(tl.minimum(start_m + 1 + off, nk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = nk
+        full_end = nk // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
+    # Keys every query of the tile sees: no mask on scores, none on key rows.
+    for start_n in range(0, full_end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
+        k_a = tl.load(kr + da[None, :], mask=da[None, :] < DA, other=0.0)
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+        if DB > 0:
+            k_b = tl.load(kr + DA + db[None, :], mask=db[None, :] < DB, other=0.0)
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    # The diagonal band and the sequence's last partial tile: masked.
+    for start_n in range(full_end, hi, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < nk
+        kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
+        k_a = tl.load(kr + da[None, :], mask=n_ok[:, None] & (da[None, :] < DA), other=0.0)
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+        if DB > 0:
+            k_b = tl.load(kr + DA + db[None, :], mask=n_ok[:, None] & (db[None, :] < DB), other=0.0)
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + off)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+    rows = (q0 + offs_m).to(tl.int64)
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + rows * stride_lt + h, lse, mask=m_ok)
+
+
+def default_config(q: torch.Tensor) -> PrefillConfig:
+    """Tiles per device and dtype: small on the interpreter, Hopper-sized for 16-bit on GPU."""
+    if q.device.type != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if q.dtype == torch.float32:  # fp32 operands (ieee dot): small tiles to fit shared memory
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+    # (128, 128, 8 warps, 2 stages): the fastest of four configs at 16 and 128 heads on the H200
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+
+
+def _split_dim(d: int) -> tuple[int, int]:
+    """d = DA + DB with DA the largest power of two <= d (192 -> 128 + 64, 24 -> 16 + 8)."""
+    da = 1 << (d.bit_length() - 1)
+    return da, d - da
+
+
+def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig):
+    """The Triton kernel with an explicit tile config (the benchmark compares several).
+    No host synchronisation: the grid is bounded by ceil(Tq / BLOCK_M) + B tiles."""
+    Tq, H, dq = q.shape
+    dv = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
+    if Tq == 0 or H == 0 or B == 0:
+        return out, lse
+    da, db = _split_dim(dq)
+    grid = (triton.cdiv(Tq, cfg.block_m) + B, H)
+    _prefill_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        softmax_scale * _LOG2E, B,
+        DA=da, DB=db, DV=dv,
+        BLOCK_DA=max(16, da), BLOCK_DB=max(16, triton.next_power_of_2(db)) if db else 16,
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOG_B=(B - 1).bit_length(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,86 @@
+"""The split plan (``mla.ops.decode.split_plan``): the Triton and Gluon versions against the host
+rule ``plan``, which is written once in Python; the Gluon one on an sm90 GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla.ops.decode import split_plan
+
+CASES = [([300, 5, 0, 1, 17, 64], 1), ([300, 5, 0, 1, 17, 64], 3), ([300, 5, 0, 1, 17, 64], 8), ([64] * 5, 4),
+         ([0, 0], 2), ([20000] + [700] * 13 + [0, 1, 1, 65], 6), ([3, 20000, 5, 17000, 64], 24), ([1], 7)]
+
+
+def _triton_plan(lens, num_splits, chunk, device):
+    import triton.language as tl
+
+    from mla.ops._jit import jit
+
+    @jit
+    def probe(SEQLENS, INFO, OUT, B, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+        p = tl.program_id(0)
+        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)
+        tl.store(OUT + 3 * p, b)
+        tl.store(OUT + 3 * p + 1, start)
+        tl.store(OUT + 3 * p + 2, end)
+
+    B = len(lens)
+    out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device=device)
+    info = torch.zeros(B, 2, dtype=torch.int32, device=device)
+    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits,
+                             BN=chunk, BLOCK_B=split_plan.block_b(B))
+    return [tuple(r) for r in out.tolist()], info
+
+
+def _check_info(plan, info, B):
+    first = {}
+    for p, (b, _, _) in enumerate(plan):
+        first.setdefault(b, p)
+    count = [sum(1 for b_, _, _ in plan if b_ == b) for b in range(B)]
+    assert info.tolist() == [[first[b], count[b]] for b in range(B)]
+
+
+@pytest.mark.parametrize("lens,num_splits", CASES)
+def test_triton_plan_is_the_host_plan_cpu(lens, num_splits):
+    got, info = _triton_plan(lens, num_splits, 16, "cpu")
+    want = split_plan.plan(lens, num_splits, 16)
+    assert got == want
+    _check_info(want, info, len(lens))
+
+
+def test_host_plan_covers_every_key():
+    # every sequence's keys are the union of its programs' runs, in order, in whole chunks
+    for lens, S in CASES:
+        runs = split_plan.plan(lens, S, 64)
+        assert len(runs) == S * len(lens)
+        for b, n in enumerate(lens):
+            mine = [(s, e) for b_, s, e in runs if b_ == b]
+            assert mine and mine[0][0] == 0 and all(e0 >= s1 for (_, e0), (s1, _) in zip(mine, mine[1:]))
+            assert max(e for _, e in mine) == n and all(s % 64 == 0 for s, _ in mine)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("lens,num_splits", CASES)
+def test_gluon_plan_is_the_host_plan(lens, num_splits):
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def probe(SEQLENS, INFO, OUT, B, num_splits, BLOCK_B: gl.constexpr):
+        p = gl.program_id(0)
+        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, 64, BLOCK_B)
+        gl.store(OUT + 3 * p, b)
+        gl.store(OUT + 3 * p + 1, start)
+        gl.store(OUT + 3 * p + 2, end)
+
+    B = len(lens)
+    out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device="cuda")
+    info = torch.zeros(B, 2, dtype=torch.int32, device="cuda")
+    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits,
+                             BLOCK_B=split_plan.block_b(B), num_warps=4)
+    want = split_plan.plan(lens, num_splits, 64)
+    assert [tuple(r) for r in out.tolist()] == want
+    _check_info(want, info, B)
+    triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda")
+    assert triton_got == want
