@@ -16,9 +16,17 @@ import argparse
 import torch
 
 import mla
+from mla.bench import graph_time_us
 from mla.demo import random_state_dict
 from mla.weights import quantize_checkpoint_fp8
-from timing import graph_time_per_call, time_per_call
+
+
+def _eager_ms(fn) -> float:
+    """Milliseconds per eager call, as ``mla bench prefill`` times eager calls (do_bench, L2
+    flushed between calls, median)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=25, return_mode="median")
 
 
 def _step_time(fn) -> float:
@@ -32,11 +40,11 @@ def _step_time(fn) -> float:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     try:
-        return graph_time_per_call(fn, iters=50) * 1e6
+        return graph_time_us([fn])
     except Exception as e:
         print(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]}); eager time")
         torch.cuda.synchronize()
-        return time_per_call(fn) * 1e6
+        return _eager_ms(fn) * 1e3
 
 
 def _cache(cfg, batch, ctx, dtype, scaling):
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
         def step():
             cache.release("p") if "p" in cache else None
             return layer(x_prompt, cache.prepare([("p", args.prompt)]))
-        ms = time_per_call(step, iters=5) * 1e3
+        ms = _eager_ms(step)
         t0 = t0 or ms
         print(f"{lname:<13} {ms:9.3f} {t0 / ms:7.2f}x", flush=True)
         del cache

@@ -2,9 +2,10 @@
 
     PYTHONPATH=/tmp/site:src python3 benchmarks/gpu.py [--quick]
 
-1. decode (``mla bench decode``): the dispatched op, the Triton kernel and the Gluon kernels
-   by name (the FP8 one on the FP8 rows; it refuses tile rows, which the table shows), FlashInfer fa3 when installed (../shared/peers.md), naive PyTorch; DeepSeek-V3
-   shapes, 16 and 128 heads; bf16 cache, and the FP8 caches at 16 heads.
+1. decode (``mla bench decode``): the dispatched op, the portable Triton kernel and the Gluon
+   kernels by name (the FP8 one on the FP8 caches), FlashInfer fa3 when installed (see
+   docs/PERF.md for how it was brought), naive PyTorch; DeepSeek-V3 shapes, 16 and 128 heads;
+   bf16 cache, and the FP8 caches at 16 heads.
 2. prefill (``mla bench prefill``): prefill attention against SDPA, RoPE + append, gather,
    merge, the layer's context phase.
 3. FP8 GEMMs (``benchmarks/fp8_gemm.py``): block-scaled FP8 against bf16 and torch's scaled_mm.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,39 @@ import torch.multiprocessing as mp
 
 import mla
 from mla.demo import random_state_dict
-from timing import graph_time_per_call as _time_graph, time_per_call as _time
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(k, v)
+
+
+def _time(fn, sync: bool = True, iters: int = 20) -> float:
+    """Seconds per call of fn after 3 warm-up calls. A fixed count, unlike ``mla.bench``'s
+    timer (triton's do_bench picks its repeat count from each process's own estimate): every
+    rank must make the same number of calls, or the collectives inside them hang."""
+    for _ in range(3):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _time_graph(fn, iters: int = 20) -> float:
+    """Seconds per replay of one call of fn captured in a CUDA graph, with ``_time``'s fixed count."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _time(g.replay, True, iters)
 
 
 def _port() -> int:

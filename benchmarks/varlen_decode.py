@@ -20,6 +20,20 @@ from mla import bench
 from mla.ops import reference
 
 
+def kernel_times(fn, n: int = 20) -> dict[str, float]:
+    """Mean device time in us of each kernel fn launches, over n eager calls (torch.profiler).
+    Under a programmatic dependent launch a kernel's time includes its wait for the one before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:28]: e.device_time_total / n for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def mixes(B: int, L: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     one_long = torch.full((B,), max(1, L // 16), dtype=torch.int32)
     one_long[B // 2] = L
@@ -68,7 +82,6 @@ def main(argv=None) -> int:
                               f"{t_op / t_fa:8.2f} {keys * bench.ROW_BYTES[kv_format] / t_op / 1e6:9.2f} {err:9.2e}",
                               flush=True)
                         if args.profile:    # the split kernel against the combine, e.g. one long's many slots
-                            from fp8reg_breakdown import kernel_times
                             for who, fn in (("mla", op), ("fa3", fa if make_fa is not None else None)):
                                 if fn is not None:
                                     ks = kernel_times(lambda fn=fn, c=c: fn(c["kv"]))

@@ -2,7 +2,7 @@
 
     git archive main src | tar -x -C build/main        # here, before the device call
     git archive my-branch src | tar -x -C build/mine
-    python3 benchmarks/ab_decode.py build/main/src build/mine/src -- --heads 128 --batch 32 128
+    python3 tools/ab_decode.py build/main/src build/mine/src -- --heads 128 --batch 32 128
 
 Each tree runs ``mla bench decode --no-peers`` (the arguments after ``--``) in its own process,
 the trees taking turns for ``--rounds`` rounds (default 2: A B A B), so that clock drift over

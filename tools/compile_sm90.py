@@ -2,7 +2,10 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py {fp8,fp8tile,seesaw,narrow} [--block-b 32]
+    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,narrow} [--block-b 32] [--partials bf16]
+
+Each kernel is compiled from the module as it is (no source edits), with the constexprs a
+launch at 16 heads (FP8, narrow) or 128 heads (seesaw), page 64, would give it.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from triton.experimental import gluon  # noqa: F401  (registers the Gluon fronte
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-BLOCK_B = 32      # the split plan's vector width (a batch of 17-32 sequences); --block-b
-O_TYPE = "*bf16"  # the FP8 kernel's and the seesaw's partials (as launched: the output's dtype); --partials
+BLOCK_B = 32       # default of --block-b: the split plan's vector width (a batch of 17-32 sequences)
+PARTIALS = "bf16"  # default of --partials: the FP8 kernel's and the seesaw's partials (as launched: out's dtype)
 KEEP = ("LDS", "STS", "LDSM", "STSM", "SHFL", "PRMT", "F2FP", "HGMMA", "QGMMA", "LDL", "STL", "BAR", "SEL", "I2F", "F2F")
 
 
@@ -63,8 +66,8 @@ _ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "INFO", "stride_qb", "stride_qi", 
             "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
 
 
-def fp8_kernel(m=None, tile: bool = False):
-    """``decode_gluon_fp8``'s kernel (or that of a module with the same kernel, e.g. a variant),
+def fp8_kernel(m=None, tile: bool = False, block_b: int = BLOCK_B, partials: str = PARTIALS):
+    """``decode_gluon_fp8``'s kernel (or that of another module with the same kernel, e.g. from another tree),
     over FP8 rows or (tile) FP8 tile rows."""
     if m is None:
         from mla.ops.triton import decode_gluon_fp8 as m
@@ -75,11 +78,11 @@ def fp8_kernel(m=None, tile: bool = False):
         pe = f"tensordesc<bf16[64, 64],{gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)!r}>"
         sc = f"tensordesc<fp32[64, 4],{gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)!r}>"
     sig = {"Q": "*bf16", "kv_desc": desc, "pe_desc": pe, "sc_desc": sc, "BT": "*i32", "SEQLENS": "*i32",
-           "O": O_TYPE, "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
-           **{k: "i32" for k in _INTS}, "TL": "*i64"}     # the stamp buffer of fp8reg_breakdown's timeline variants
+           "O": "*" + partials, "LSE": "*fp32", "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
+           **{k: "i32" for k in _INTS}}
     cx = {"CAUSAL": True, "TILE": tile, "ROW_GROUPS": 1, "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16),
           "Q8_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv),
-          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "BLOCK_B": BLOCK_B, "num_warps": 4}
+          "QPE_SM": gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16), "BLOCK_B": block_b, "num_warps": 4}
     return compile_gluon(m._fp8_kernel, sig, cx, _ALIGNED, maxnreg=168)   # 16 heads, 16 rows, page 64
 
 
@@ -91,27 +94,28 @@ def _bf16_sig(extra: dict, o_type: str) -> dict:
             **{k: "i32" for k in _INTS}, **extra}
 
 
-def seesaw_kernel(m=None):
-    """``decode_gluon``'s seesaw (or that of a module with the same kernel, e.g. a variant) on
+def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
+    """``decode_gluon``'s seesaw (or that of another module with the same kernel, e.g. from another tree) on
     bf16 rows, 64-key tiles, 128 heads, the partials of --partials (bf16: by TMA, as launched)."""
     if m is None:
         from mla.ops.triton import decode_gluon as m
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"}, O_TYPE)
+    o_type = "*" + partials
+    sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"}, o_type)
     # 16-bit partials go out by TMA (launch_gluon), float32 ones from registers
-    cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": O_TYPE != "*fp32",
-          "BLOCK_B": BLOCK_B, "num_warps": 4}
+    cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": o_type != "*fp32",
+          "BLOCK_B": block_b, "num_warps": 4}
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
-def narrow_kernel(m=None):
-    """``decode_gluon_narrow``'s kernel (or that of a module with the same kernel, e.g. a
+def narrow_kernel(m=None, block_b: int = BLOCK_B):
+    """``decode_gluon_narrow``'s kernel (or that of another module with the same kernel, e.g. from
     variant) on bf16 rows, 16 query rows, a ring of two tiles."""
     if m is None:
         from mla.ops.triton import decode_gluon_narrow as m
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
-          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": BLOCK_B, "num_warps": 4}
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": block_b, "num_warps": 4}
     return compile_gluon(m._narrow_kernel, _bf16_sig({}, "*fp32"), cx, _ALIGNED, maxnreg=168)     # float32 partials
 
 
@@ -119,12 +123,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow"])
     p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
-    p.add_argument("--partials", default="bf16", choices=["bf16", "fp32"], help="the partial outputs' dtype")
+    p.add_argument("--partials", default=PARTIALS, choices=["bf16", "fp32"], help="the partial outputs' dtype")
     a = p.parse_args()
-    globals()["BLOCK_B"] = a.block_b
-    globals()["O_TYPE"] = "*" + a.partials
-    k = {"fp8": fp8_kernel, "fp8tile": lambda: fp8_kernel(tile=True), "seesaw": seesaw_kernel,
-         "narrow": narrow_kernel}[a.kernel]()
+    k = {"fp8": lambda: fp8_kernel(block_b=a.block_b, partials=a.partials),
+         "fp8tile": lambda: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
+         "seesaw": lambda: seesaw_kernel(block_b=a.block_b, partials=a.partials),
+         "narrow": lambda: narrow_kernel(block_b=a.block_b)}[a.kernel]()
     usage, ops = sass_counts(k)
     print(f"shared {k.metadata.shared} B; {usage}")
     print(dict(sorted(ops.items())))

@@ -2,7 +2,7 @@
 the check behind a refactor or a rescheduling that claims "the same arithmetic".
 
     git archive main src | tar -x -C build/main        # here, before the device call
-    python3 benchmarks/bitcheck_decode.py build/main/src src [--kv bf16 fp8 fp8_tile]
+    python3 tools/bitcheck_decode.py build/main/src src [--kv bf16 fp8 fp8_tile]
 
 Each tree runs ``mla.ops.mla_decode`` in its own process on cases that reach every Hopper kernel
 (batch 1 to 32, 7 / 16 / 128 heads, s_q 1 and 2, random lengths, a query with 14 octaves of
