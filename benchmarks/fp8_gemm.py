@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mla.bench import graph_time_us
 from mla.ops import reference
-from mla.ops.triton import fp8_gemm
+from mla.ops import fp8_gemm
 from mla.weights import dequant_block_fp8, quantize_block_fp8
 
 SHAPES = [("q_b_proj", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168)]

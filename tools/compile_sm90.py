@@ -67,10 +67,10 @@ _ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "INFO", "stride_qb", "stride_qi", 
 
 
 def fp8_kernel(m=None, tile: bool = False, block_b: int = BLOCK_B, partials: str = PARTIALS):
-    """``decode_gluon_fp8``'s kernel (or that of another module with the same kernel, e.g. from another tree),
+    """the FP8 Gluon kernel (or that of another module with the same kernel, e.g. from another tree),
     over FP8 rows or (tile) FP8 tile rows."""
     if m is None:
-        from mla.ops.triton import decode_gluon_fp8 as m
+        from mla.ops.decode.gluon import fp8 as m
     fp8_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
     desc = f"tensordesc<fp8e4nv[64, 64],{fp8_l!r}>"
     pe, sc = desc, desc
@@ -95,10 +95,10 @@ def _bf16_sig(extra: dict, o_type: str) -> dict:
 
 
 def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
-    """``decode_gluon``'s seesaw (or that of another module with the same kernel, e.g. from another tree) on
+    """the seesaw Gluon kernel (or that of another module with the same kernel, e.g. from another tree) on
     bf16 rows, 64-key tiles, 128 heads, the partials of --partials (bf16: by TMA, as launched)."""
     if m is None:
-        from mla.ops.triton import decode_gluon as m
+        from mla.ops.decode.gluon import seesaw as m
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     o_type = "*" + partials
     sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"}, o_type)
@@ -109,10 +109,10 @@ def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
 
 
 def narrow_kernel(m=None, block_b: int = BLOCK_B):
-    """``decode_gluon_narrow``'s kernel (or that of another module with the same kernel, e.g. from
+    """the narrow Gluon kernel (or that of another module with the same kernel, e.g. from
     variant) on bf16 rows, 16 query rows, a ring of two tiles."""
     if m is None:
-        from mla.ops.triton import decode_gluon_narrow as m
+        from mla.ops.decode.gluon import narrow as m
     cx = {"R": 16, "CAUSAL": True, "KV_FMT": 0, "NST": 2, "dtype": gl.bfloat16,
           "SM_L": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
           "P_SM": gl.NVMMASharedLayout.get_default_for([64, 16], gl.bfloat16), "BLOCK_B": block_b, "num_warps": 4}

@@ -194,7 +194,7 @@ class MLAConfig:
         elif rope_type != "default":
             raise NotImplementedError(f"rope_parameters.rope_type: {rope_type!r} RoPE of model_type {model_type!r} "
                                       "is not implemented (the library has 'default' and 'yarn')")
-        temperature = _temperature(c, rope)
+        temperature = _temperature(c, rope if family.get("temperature") else {})
         interleave = c.get("rope_interleave")
         if isinstance(interleave, str) or (interleave is not None and not isinstance(interleave, (bool, int))):
             raise ValueError(f"rope_interleave: expected a bool, got {interleave!r}")
@@ -213,7 +213,7 @@ class MLAConfig:
             rope_scaling=scaling, rope_type="none" if rope_type == "none" else None, rope_interleave=interleave,
             attention_bias=_flag("attention_bias", c.get("attention_bias", False)),
             temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
-            mla_layers=_mla_layers(c, model_type), **scales,
+            mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False)), **scales,
             name=str(c.get("_name_or_path") or model_type))
 
     @classmethod
@@ -228,12 +228,15 @@ class MLAConfig:
 # interleave: the RoPE pairing its module always uses, whatever rope_interleave says (DeepSeek-V2
 # rotates complex pairs, MiniCPM3 neox halves, LongCat interleaved pairs); the other families read
 # rope_interleave (default True). nope: no RoPE at all. latent_scales: LongCat's sqrt(D / rank).
+# temperature: the module applies rope_parameters' llama_4_scaling_beta (the others ignore it).
+# kimi_layers: Kimi Linear's layer list (layer_types, else linear_attn_config, else its default).
 FAMILIES: dict[str, dict] = {
-    "deepseek_v3": {}, "kimi_k2": {}, "axk1": {}, "youtu": {}, "glm4_moe_lite": {}, "mistral4": {},
+    "deepseek_v3": {}, "kimi_k2": {}, "axk1": {}, "youtu": {}, "glm4_moe_lite": {},
+    "mistral4": {"temperature": True},
     "deepseek_v2": {"interleave": True},
     "minicpm3": {"interleave": False},
     "longcat_flash": {"interleave": True, "latent_scales": True},
-    "kimi_linear": {"nope": True},
+    "kimi_linear": {"nope": True, "kimi_layers": True},
 }
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
@@ -336,16 +339,29 @@ def _temperature(c: dict, rope: dict) -> tuple[float | None, float]:
             _number("llama_4_scaling.beta", llama4.get("beta", 0.1)))
 
 
-def _mla_layers(c: dict, model_type: str) -> tuple[int, ...] | None:
-    """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear)."""
+def _mla_layers(c: dict, model_type: str, kimi: bool) -> tuple[int, ...] | None:
+    """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear).
+    Kimi Linear's config.json lists them (from 1) in linear_attn_config.full_attn_layers; without
+    either, transformers makes layer i full attention where i > 0 and i % 4 == 0."""
     types = c.get("layer_types")
+    if types is None and kimi:
+        n = c.get("num_hidden_layers")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"num_hidden_layers: expected a positive int for {model_type!r}'s layer list, got {n!r}")
+        lin = c.get("linear_attn_config") or {}
+        full = lin.get("full_attn_layers") if isinstance(lin, Mapping) else None
+        if full is not None:
+            if not all(isinstance(i, int) and 1 <= i <= n for i in full):
+                raise ValueError(f"linear_attn_config.full_attn_layers: expected layer numbers in 1..{n}, got {full!r}")
+            return tuple(sorted(i - 1 for i in set(full)))
+        return tuple(i for i in range(n) if i and i % 4 == 0)
     if types is None:
         return None
     if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
         raise ValueError(f"layer_types: expected a list of strings, got {types!r}"[:200])
     unknown = sorted(set(types) - set(_MLA_LAYER_TYPES) - {"linear_attention"})
     if unknown:
-        raise NotImplementedError(f"layer_types: {unknown} layers of model_type {model_type!r} are not implemented")
+        raise NotImplementedError(f"layer_types: mla does not implement {unknown} layers (model_type {model_type!r})")
     layers = tuple(i for i, t in enumerate(types) if t in _MLA_LAYER_TYPES)
     return None if len(layers) == len(types) else layers
 
