@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mla demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 tests
 
 # pytest-xdist for the GPU machine, which has pytest but no xdist and no network: carry
 # build/device-site and put it on PYTHONPATH there (`pytest -n 8` runs the GPU tests ~2x faster)

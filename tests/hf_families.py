@@ -217,7 +217,7 @@ class FamilyHarness:
     """
 
     def __init__(self, case_name: str, dtype=torch.float32, *, block_size=4, num_blocks=64, seed=0,
-                 source="object", max_workspace_tokens=None, config_overrides=None):
+                 source="object", max_workspace_tokens=None, config_overrides=None, strategy=None):
         self.case = case = EXACT[case_name]
         self.hf_cfg = case.make_config(**(config_overrides or {}))
         self.cfg = mla.MLAConfig.from_hf(config_source(self.hf_cfg, source))
@@ -232,7 +232,9 @@ class FamilyHarness:
         else:
             self.attn_lowp = None
         self.attn_ref = copy.deepcopy(attn).to(torch.float64)
-        kw = {} if max_workspace_tokens is None else {"max_workspace_tokens": max_workspace_tokens}
+        kw = {"strategy": strategy}
+        if max_workspace_tokens is not None:
+            kw["max_workspace_tokens"] = max_workspace_tokens
         self.layer = mla.MLA(self.cfg, layer_idx=case.layer_idx, dtype=dtype, device="cpu", backend="torch", **kw)
         self.layer.load_hf_state_dict(state_dict(attn, case.prefix, dtype), prefix=case.prefix)
         self.cache = mla.PagedLatentCache(self.cfg, num_layers=case.layer_idx + 1, num_blocks=num_blocks,

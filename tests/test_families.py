@@ -89,7 +89,7 @@ def test_speculative_verify_truncate(case):
 
 # (workspace, forced strategy) -> the path the 8-token chunk over a 12-token prefix takes.
 # Left to the rule, 8 new tokens over a cached prefix take the absorbed path at these dims
-# (absorb_max_new is 32 or more), so the context paths are pinned with layer.force_strategy.
+# (absorb_max_new is 32 or more), so the context paths are pinned with MLA(strategy=...).
 PATHS = {"chunked": (8, "chunked"), "cached": (65536, "cached"), "absorbed": (8, "absorbed")}
 
 
@@ -99,15 +99,12 @@ def test_prefix_then_chunk(case, path):
     """(d) a prompt prefilled as 12 then 8 tokens: under max_workspace_tokens=8 the second
     chunk's cached prefix exceeds the workspace (the chunked path, prefix chunks merged by LSE);
     the same through the cached and the absorbed paths; then a decode and a mixed step."""
-    from mla.plan import build_plan
-
     workspace, force = PATHS[path]
-    h = F.FamilyHarness(case, torch.float32, seed=3, max_workspace_tokens=workspace)
-    h.layer.force_strategy = force
+    h = F.FamilyHarness(case, torch.float32, seed=3, max_workspace_tokens=workspace, strategy=force)
     h.step([(0, 12)])
 
     def pinned(batch):
-        assert build_plan(batch, h.cfg, workspace, force).strategy == [path]
+        assert h.layer.plan(batch).strategy == [path]
 
     h.step([(0, 8)], on_batch=pinned)
     h.step([(0, 1)])

@@ -148,9 +148,8 @@ def test_fp8_cache_layer_matches_transformers(scaling, kv_scale, strategy):
     hf_cfg = make_config("v3", kv_lora_rank=128, max_position_embeddings=128)
     attn, rotary = make_attention(hf_cfg, seed=11)
     cfg = mla.MLAConfig.from_hf(hf_cfg)
-    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch", max_workspace_tokens=8)
+    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch", max_workspace_tokens=8, strategy=strategy)
     layer.load_hf_state_dict(state_dict(attn), prefix=PREFIX)
-    layer.force_strategy = strategy
     cache = mla.PagedLatentCache(cfg, num_blocks=32, block_size=4, dtype=torch.float8_e4m3fn,
                                  fp8_scaling=scaling, kv_scale=kv_scale)
     assert cache.layer(0).shape[-1] == (128 + 8 if scaling == "tensor" else 128 + 4 + 16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mla
-from mla.demo import random_state_dict
+from mla.testing import random_state_dict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
-from mla import context
-from mla.plan import absorb_max_new, choose_strategy
+from mla import expanded
+from mla.strategy import absorb_max_new, choose_strategy
 from hf_util import PREFIX, FP32_TOL, hf_reference, make_attention, make_config, rel_err, state_dict
 
 
@@ -29,11 +29,11 @@ def test_rule_pins_every_path():
     assert choose_strategy(cfg, 131072, 4096, W) == "chunked"
 
 
-def _setup(variant="v3", workspace=16, seed=0, max_pos=256):
+def _setup(variant="v3", workspace=16, seed=0, max_pos=256, strategy=None):
     hf_cfg = make_config(variant, max_position_embeddings=max_pos)
     attn, rotary = make_attention(hf_cfg, seed)
     cfg = mla.MLAConfig.from_hf(hf_cfg)
-    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch", max_workspace_tokens=workspace)
+    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch", max_workspace_tokens=workspace, strategy=strategy)
     layer.load_hf_state_dict(state_dict(attn), prefix=PREFIX)
     return cfg, layer, attn, rotary
 
@@ -42,8 +42,7 @@ def _setup(variant="v3", workspace=16, seed=0, max_pos=256):
 def test_long_prefix_every_path_matches_transformers(strategy):
     """150 cached tokens (two sequences, one forked) over a workspace of 16, then 40 new.
     ("prefill" forced is the natural rule: forcing it over a cached prefix dropped the prefix.)"""
-    cfg, layer, attn, rotary = _setup()
-    layer.force_strategy = strategy
+    cfg, layer, attn, rotary = _setup(strategy=strategy)
     g = torch.Generator().manual_seed(1)
     cache = mla.PagedLatentCache(cfg, num_blocks=128, block_size=8, dtype=torch.float32)
     hist = {"a": torch.randn(150, cfg.hidden_size, generator=g)}
@@ -66,40 +65,39 @@ def test_long_prefix_every_path_matches_transformers(strategy):
 def test_workspace_bound_holds(monkeypatch):
     """The expanded K/V of a prefix never exceeds max_workspace_tokens rows at once."""
     cfg, layer, attn, rotary = _setup(workspace=16)
-    expanded = []
-    keys_values = context._keys_values
+    sizes = []
+    keys_values = expanded._keys_values
 
     def recording(layer_, c_kv, k_pe):
-        expanded.append(c_kv.shape[0])
+        sizes.append(c_kv.shape[0])
         return keys_values(layer_, c_kv, k_pe)
 
-    monkeypatch.setattr(context, "_keys_values", recording)
+    monkeypatch.setattr(expanded, "_keys_values", recording)
     g = torch.Generator().manual_seed(2)
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
     x0 = torch.randn(150, cfg.hidden_size, generator=g)
     layer(x0, cache.prepare([("s", 150)]))                # prefill: no prefix expanded
     n = absorb_max_new(cfg) + 5                           # past the absorbed crossover
     x1 = torch.randn(n, cfg.hidden_size, generator=g)
-    expanded.clear()
+    sizes.clear()
     batch = cache.prepare([("s", n)])
     out = layer(x1, batch)
-    plan = next(v for k, v in batch._memo.items() if k[0] == "plan")
+    plan = layer.plan(batch)
     assert plan.strategy == ["chunked"]
     # the new tokens' own expansion (n rows, the caller's chunk) plus prefix chunks of <= 16
-    assert expanded[0] == n and max(expanded[1:]) <= 16 and sum(expanded[1:]) == 150
+    assert sizes[0] == n and max(sizes[1:]) <= 16 and sum(sizes[1:]) == 150
     ref = hf_reference(attn, rotary, torch.cat((x0, x1)))[-n:]
     assert rel_err(out, ref) <= FP32_TOL
 
 
 def test_chunk_passes_are_shared_by_sequences():
-    cfg, layer, _, _ = _setup(workspace=16)
-    layer.force_strategy = "chunked"
+    cfg, layer, _, _ = _setup(workspace=16, strategy="chunked")
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=4, dtype=torch.float32)
     layer(torch.randn(10, cfg.hidden_size), cache.prepare([("a", 10)]))
     layer(torch.randn(5, cfg.hidden_size), cache.prepare([("b", 5)]))
     batch = cache.prepare([("a", 2), ("b", 2)])
     layer(torch.randn(4, cfg.hidden_size), batch)
-    plan = next(v for k, v in batch._memo.items() if k[0] == "plan")
+    plan = layer.plan(batch)
     # 10 + 5 prefix rows fit one pass of 16: both sequences share it
     assert len(plan.chunked.passes) == 1 and plan.chunked.passes[0].num_keys == 15
 
@@ -111,7 +109,7 @@ def test_chunked_prefill_peak_memory_gpu():
     peaks = {}
     for workspace in (512, 4096):
         layer = mla.MLA(cfg, dtype=torch.bfloat16, device="cuda", max_workspace_tokens=workspace)
-        from mla.demo import random_state_dict
+        from mla.testing import random_state_dict
         layer.load_hf_state_dict(random_state_dict(cfg, torch.Generator().manual_seed(0)))
         cache = mla.PagedLatentCache(cfg, num_blocks=300, block_size=64, dtype=torch.bfloat16, device="cuda")
         layer(torch.randn(16384, cfg.hidden_size, dtype=torch.bfloat16, device="cuda"), cache.prepare([("s", 16384)]))
@@ -155,7 +153,7 @@ def test_expansion_writes_into_the_key_and_value_buffers():
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     latent = torch.randn(N, r + dr, generator=torch.Generator().manual_seed(3))   # rows as gathered
     with _Ops() as ops:
-        k, v = context._keys_values(layer, latent[:, :r], latent[:, r:])
+        k, v = expanded._keys_values(layer, latent[:, :r], latent[:, r:])
     assert k.shape == (N, H, dn + dr) and v.shape == (N, H, dv) and k.is_contiguous() and v.is_contiguous()
     known = {_storage(latent), _storage(layer.w_kv_b), _storage(k), _storage(v)}
     for name, _, _, result in ops.calls:
@@ -181,12 +179,12 @@ def test_expansion_copies_nothing_gpu():
     torch.nn.init.normal_(layer.w_kv_b, std=cfg.kv_lora_rank ** -0.5)
     N, r, dn = 2048, cfg.kv_lora_rank, cfg.qk_nope_head_dim
     latent = torch.randn(N, r + cfg.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
-    context._keys_values(layer, latent[:, :r], latent[:, r:])     # warm-up: cuBLAS workspace, heuristics
+    expanded._keys_values(layer, latent[:, :r], latent[:, r:])     # warm-up: cuBLAS workspace, heuristics
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        k, v = context._keys_values(layer, latent[:, :r], latent[:, r:])
+        k, v = expanded._keys_values(layer, latent[:, :r], latent[:, r:])
         torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= k.nbytes + v.nbytes + 1024
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -201,7 +199,7 @@ def test_expansion_copies_nothing_gpu():
 def test_plan_carries_the_offsets_on_the_host():
     """Every attention call of a context strategy gets its offsets also as host ints
     (prefill_attention's offsets_q/k), equal to the device offsets."""
-    from mla.plan import build_plan
+    from mla.strategy import build_plan
 
     cfg = mla.MLAConfig.preset("tiny")
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
@@ -221,8 +219,8 @@ def test_plan_carries_the_offsets_on_the_host():
 def test_decode_batch_reads_and_writes_its_rows_in_place():
     """A batch of decodes only: its rows are one run, so the absorbed path takes q as a view
     and the W_UV bmm writes the layer's output rows directly (no gather, no scatter)."""
-    from mla import decode
-    from mla.plan import build_plan
+    from mla import absorbed
+    from mla.strategy import build_plan
 
     cfg, layer, _, _ = _setup()
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
@@ -234,7 +232,7 @@ def test_decode_batch_reads_and_writes_its_rows_in_place():
     q = torch.randn(2, cfg.num_heads, cfg.qk_head_dim, generator=torch.Generator().manual_seed(5))
     out = torch.zeros(2, cfg.num_heads, cfg.v_head_dim)
     with _Ops() as ops:
-        decode.absorbed(layer, q, group, cache.layer(0), out)
+        absorbed.attend(layer, q, group, cache.layer(0), out)
     # (the reference decode gathers cache pages by index: those are the cache's, not q's)
     gathers_q = [n for n, args, _, _ in ops.calls if n == "index" and _storage(args[0]) == _storage(q)]
     scatters = [n for n, *_ in ops.calls if n.startswith("index_put")]
@@ -244,5 +242,5 @@ def test_decode_batch_reads_and_writes_its_rows_in_place():
     # the same values as through an index tensor (gather q, scatter the output)
     group.rows = torch.arange(2)
     scattered = torch.zeros_like(out)
-    decode.absorbed(layer, q, group, cache.layer(0), scattered)
+    absorbed.attend(layer, q, group, cache.layer(0), scattered)
     assert out.abs().sum() > 0 and torch.equal(out, scattered)

@@ -292,7 +292,7 @@ def time_layer(rows, quick):
     """The whole layer's context phase: DeepSeek-V3 dimensions, random weights, bf16, 16 and
     128 heads; prompts with no prefix and prompts over a cached prefix. Tokens/s of new tokens."""
     import mla
-    from mla.demo import random_state_dict
+    from mla.testing import random_state_dict
 
     cases = [(4096, 0), (4096, 4096)] if quick else [(1024, 0), (4096, 0), (16384, 0), (32768, 0), (4096, 4096),
                                                        (4096, 28672)]
@@ -309,7 +309,7 @@ def time_layer(rows, quick):
             x = torch.randn(n, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
             layer(x, batch)   # plan and compile; later calls rewrite the same slots
             t = _bench(lambda: layer(x, batch))
-            plan = next(v for k, v in batch._memo.items() if k[0] == "plan")
+            plan = layer.plan(batch)
             rows.append(dict(shape=f"V3 layer H{H} new {n} prefix {c}", provider=plan.strategy[0],
                              ms=round(t * 1e3, 3), tokens_per_s=round(n / t)))
             del cache

@@ -18,44 +18,7 @@ import torch
 from .cache import PagedLatentCache
 from .config import MLAConfig
 from .layer import MLA, rms_norm
-from .rope import apply_rope, cos_sin
-from .weights import hf_weight_shapes
-
-
-def random_state_dict(cfg: MLAConfig, generator: torch.Generator, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Random HF-named weights of one layer, unit scale so attention is peaky."""
-    sd = {}
-    for name, shape in hf_weight_shapes(cfg).items():
-        if name.endswith("layernorm.weight"):
-            sd[prefix + name] = 0.5 + torch.rand(shape, generator=generator)
-        elif name.endswith("bias"):
-            sd[prefix + name] = 0.1 * torch.randn(shape, generator=generator)
-        else:
-            sd[prefix + name] = torch.randn(shape, generator=generator) * (1.5 / math.sqrt(shape[-1]))
-    return sd
-
-
-@torch.no_grad()
-def dense_forward(layer: MLA, x: torch.Tensor) -> torch.Tensor:
-    """The whole sequence x [n, D] from scratch in float64: expanded causal attention."""
-    cfg, H = layer.cfg, layer.num_local_heads
-    n, r, dn = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
-    p = {k: v.double() for k, v in layer.state_dict().items() if v is not None}
-    a = x.double() @ p["w_a"].T + (p["b_a"] if "b_a" in p else 0)
-    qa = a[:, : layer.q_dim]
-    q = qa if cfg.q_lora_rank is None else rms_norm(qa, p["q_a_norm"], cfg.q_norm_eps) @ p["w_q_b"].T
-    q = q.view(n, H, -1)
-    c_kv = rms_norm(a[:, layer.q_dim: layer.q_dim + r], p["kv_a_norm"], cfg.kv_norm_eps)
-    cos, sin = cos_sin(cfg, torch.arange(n))
-    q_pe = apply_rope(q[..., dn:], cos.double(), sin.double(), cfg.rope_interleave)
-    k_pe = apply_rope(a[:, layer.q_dim + r:], cos.double(), sin.double(), cfg.rope_interleave)
-    kv = (c_kv @ p["w_kv_b"].T).view(n, H, -1)
-    k = torch.cat((kv[..., :dn], k_pe[:, None].expand(n, H, -1)), -1)
-    qf = torch.cat((q[..., :dn], q_pe), -1)
-    s = torch.einsum("qhd,khd->hqk", qf, k) * cfg.softmax_scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), kv[..., dn:]).reshape(n, -1)
-    return o @ p["w_o"].T + (p["b_o"] if "b_o" in p else 0)
+from .testing import dense_forward, random_state_dict
 
 
 def _trace():
@@ -130,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             err = max(err, ((got - ref[-n:]).norm() / ref[-n:].norm()).item())
             off += n
         worst = max(worst, err)
-        plan = next(v for k, v in batch._memo.items() if k[0] == "plan")
+        plan = layers[0].plan(batch)
         strategies = ",".join(sorted({s for s in plan.strategy if s}))
         print(f"{name:<40} {batch.num_seqs:>4} {batch.num_tokens:>6} {strategies:<28} {err:>9.2e} "
               f"{cache.num_blocks - cache.num_free_blocks:>6}")

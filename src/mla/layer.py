@@ -12,7 +12,7 @@ One step, for the T new tokens of a batch:
     q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
     c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
-    per sequence, by the plan (plan.py): expanded (context.py) or absorbed (decode.py)
+    per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py)
     out          = o_proj(attn [T, H * dv])
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import context, decode, ops
+from . import absorbed, expanded, ops
 from .batch import Batch
 from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
-from .plan import STRATEGIES, build_plan
+from .strategy import STRATEGIES, Plan, build_plan
 from .rope import cos_sin, inv_freq, query_temperature
 from .weights import dequant_block_fp8, read_hf_weights, split_kv_b
 
@@ -48,7 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, layer_idx: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None, fp8_weights: str = "auto"):
+                 backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None, fp8_weights: str = "auto",
+                 strategy: str | None = None):
         super().__init__()
         if not isinstance(cfg, MLAConfig):
             raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
@@ -66,6 +67,8 @@ class MLA(nn.Module):
         if cfg.mla_layers is not None and layer_idx not in cfg.mla_layers:
             raise ValueError(f"layer_idx: layer {layer_idx} of {cfg.name!r} is not an MLA layer (its MLA layers: "
                              f"{list(cfg.mla_layers)})")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {STRATEGIES} or None, got {strategy!r}")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if parallel is not None:
@@ -76,7 +79,9 @@ class MLA(nn.Module):
         self.op_backend = None if backend == "auto" else backend
         self.fp8_weights = fp8_weights
         self.max_workspace_tokens = max_workspace_tokens
-        self.force_strategy: str | None = None   # tests and benchmarks pin a strategy here
+        # None: the cost rule of strategy.py per sequence; a name pins that path wherever it can
+        # serve (tests and benchmarks reach every path this way)
+        self.strategy = strategy
         tp, cp = (parallel.tp_size, parallel.cp_size) if parallel is not None else (1, 1)
         # H: this rank's TP heads (q, W_UK, W_UV); H_s: its slice of them under CP (o_proj, context)
         self.num_local_heads = H = cfg.num_heads // tp
@@ -196,6 +201,12 @@ class MLA(nn.Module):
         torch.bmm(x, W_UK[heads].mT, out=k_nope.transpose(0, 1))
         torch.bmm(x, W_UV[heads].mT, out=v.transpose(0, 1))
 
+    def plan(self, batch: Batch) -> Plan:
+        """The step's strategy plan (strategy.py) for this layer's workspace and ``strategy``:
+        built by the first layer that asks and shared by every layer that would build the same."""
+        return batch.memo(("plan", self.cfg, self.max_workspace_tokens, self.strategy),
+                          lambda: build_plan(batch, self.cfg, self.max_workspace_tokens, self.strategy))
+
     def _check(self, hidden_states: torch.Tensor, batch: Batch) -> None:
         if not isinstance(batch, Batch):
             raise ValueError(f"batch: expected a mla.Batch from PagedLatentCache.prepare, got {type(batch).__name__}")
@@ -223,8 +234,6 @@ class MLA(nn.Module):
                              f"(cache on {cache.device})")
         if not self.loaded:
             raise ValueError("weights: call load_hf_state_dict before the first forward")
-        if self.force_strategy is not None and self.force_strategy not in STRATEGIES:
-            raise ValueError(f"force_strategy: expected one of {STRATEGIES} or None, got {self.force_strategy!r}")
 
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -250,19 +259,18 @@ class MLA(nn.Module):
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
 
-        plan = batch.memo(("plan", cfg, self.max_workspace_tokens, self.force_strategy),
-                          lambda: build_plan(batch, cfg, self.max_workspace_tokens, self.force_strategy))
+        plan = self.plan(batch)
         Hs = self.num_slice_heads
         attn = torch.empty(T, Hs, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
         q_slice = q[:, self.slice_start: self.slice_start + Hs]     # the context paths' heads
         if plan.prefill is not None:
-            context.prefill(self, q_slice, c_kv, k_pe, plan.prefill, attn)
+            expanded.prefill(self, q_slice, c_kv, k_pe, plan.prefill, attn)
         for p in plan.cached:
-            context.cached(self, q_slice, p, kv_cache, batch.cache, attn)
+            expanded.cached(self, q_slice, p, kv_cache, batch.cache, attn)
         if plan.chunked is not None:
-            context.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
+            expanded.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
-            decode.absorbed(self, q, group, kv_cache, attn, batch.cache.kv_scale)
+            absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

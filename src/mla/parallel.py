@@ -37,6 +37,7 @@ class Parallel:
     rank: int | None = None          # rank within `group`; default: this process's rank there
     group: object | None = None      # default: the default process group, of size tp_size * cp_size
     v_before_exchange: bool = True   # Helix: apply W_UV before the all-to-all (dv, not r, per head)
+    # counters for monitoring (bytes this rank sent in Helix exchanges), not switches
     stats: dict = field(default_factory=lambda: {"exchange_bytes": 0}, compare=False, repr=False)
 
     def __post_init__(self):

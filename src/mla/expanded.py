@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops, quant
-from .plan import Group, Pass
+from .strategy import Group, Pass
 
 __all__ = ["prefill", "cached", "chunked"]
 

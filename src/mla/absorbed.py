@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .plan import Group
+from .strategy import Group
 
-__all__ = ["absorbed"]
+__all__ = ["attend", "absorb_query", "apply_uv"]
 
 
 def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
-def absorbed(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
+def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
     """Absorbed attention for the group's sequences, all with group.s_q new tokens.
 
     Writes out[group.rows] for this rank's head slice (rows: a slice or an index tensor). Under Helix CP the attention over
