@@ -19,7 +19,7 @@ import torch
 
 import mla
 from mla import ops
-from mla.demo import random_state_dict
+from mla.testing import random_state_dict
 from mla.ops.reference import decode_visible, gather_rows
 from mla.weights import quantize_checkpoint_fp8
 

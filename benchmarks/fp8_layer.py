@@ -17,7 +17,7 @@ import torch
 
 import mla
 from mla.bench import graph_time_us
-from mla.demo import random_state_dict
+from mla.testing import random_state_dict
 from mla.weights import quantize_checkpoint_fp8
 
 
