@@ -4,4 +4,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))   # tests import hf_util
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On a machine with a GPU and numpy >= 2.4 (the H200's image), mla refuses Triton launches on
+    CPU tensors up front (``mla.ops._jit.INTERPRETER_BROKEN``: Triton 3.6's interpreter fails
+    there, triton-lang/triton#9171, and breaks later GPU compiles). Those interpreter tests are
+    reported as skipped with that reason; any other failure fails. CI has no GPU and pins
+    numpy < 2.4, so there the interpreter always runs."""
+    outcome = yield
+    exc = outcome.excinfo[1] if outcome.excinfo else None
+    from mla.ops._jit import INTERPRETER_BROKEN
+
+    if INTERPRETER_BROKEN and isinstance(exc, RuntimeError) and "triton-lang/triton#9171" in str(exc):
+        outcome.force_exception(pytest.skip.Exception("Triton's interpreter with numpy >= 2.4 on a GPU machine"))

@@ -49,3 +49,41 @@ def test_layer_triton_matches_reference(workspace, cache_dtype, scaling):
     for r, lo, f in zip(ref, low, fast):
         assert torch.isfinite(f).all()
         assert _rel(f, r) <= 2 * _rel(lo, r) + 1e-3
+
+
+# MLA families whose shapes the Hopper decode kernels do not take (latent 256, rope 32, no RoPE,
+# nope 192 / v 256 in the expanded path): they run through the portable kernels, which must be
+# as exact as on DeepSeek-V3's shapes. Dims are the published ones, hidden size and heads cut.
+_FAMILY_SHAPES = {
+    # MiniCPM3-4B: kv_lora 256, rope 32, nope 64, v 64, neox RoPE
+    "minicpm3": dict(q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                     rope_interleave=False),
+    # Mistral Small 4: kv_lora 256, nope 64, v 128, the Llama-4 query temperature
+    "mistral4": dict(q_lora_rank=1024, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+                     temperature_floor_scale=64.0, temperature_beta=0.1),
+    # GLM-4.7-Flash: nope 192, v 256 (latent 576 as DeepSeek's)
+    "glm4_moe_lite": dict(q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                          v_head_dim=256),
+    # Kimi Linear's MLA layers: no q_lora, no RoPE
+    "kimi_linear": dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, rope_type="none"),
+    # LongCat-Flash: the latent scales folded into the weights at load
+    "longcat_flash": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, q_lora_scale=2.0, kv_lora_scale=1.5 ** 0.5),
+}
+
+
+@pytest.mark.parametrize("family", list(_FAMILY_SHAPES))
+def test_family_shapes_match_reference(family):
+    cfg = mla.MLAConfig(hidden_size=1024, num_heads=16, max_position_embeddings=4096, **_FAMILY_SHAPES[family])
+    sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
+    ref = _run(cfg, sd, torch.float32, "torch", STEPS, 128, None)
+    low = _run(cfg, sd, torch.bfloat16, "torch", STEPS, 128, None)
+    fast = _run(cfg, sd, torch.bfloat16, "auto", STEPS, 128, None)
+    for r, lo, f in zip(ref, low, fast):
+        assert torch.isfinite(f).all()
+        assert _rel(f, r) <= 2 * _rel(lo, r) + 1e-3
+    q = torch.empty(2, 1, 16, cfg.kv_dim, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(4, 64, cfg.kv_dim, dtype=torch.bfloat16, device="cuda")
+    kernel = mla.ops.decode.choose_kernel(q, kv, cfg.kv_lora_rank, 256)
+    assert kernel == ("portable" if cfg.kv_dim != 576 else "narrow")

@@ -148,14 +148,28 @@ def _prefill_kernel(
     tl.store(LSE + rows * stride_lt + h, lse, mask=m_ok)
 
 
-def default_config(q: torch.Tensor) -> PrefillConfig:
-    """Tiles per device and dtype: small on the interpreter, Hopper-sized for 16-bit on GPU."""
+# Hopper's shared memory per program (227 KB) less room for the compiler's own buffers
+_SMEM_BUDGET = 220 << 10
+
+
+def default_config(q: torch.Tensor, dv: int | None = None) -> PrefillConfig:
+    """Tiles per device, dtype and head dims: small on the interpreter; on GPU the largest of a
+    short list whose tiles (Q once, K and V per stage, padded as the kernel pads them) fit
+    shared memory. (128, 128, 8 warps, 2 stages) was the fastest of four configs at 16 and 128
+    heads on the H200 for DeepSeek's 192 / 128 heads; wider heads (GLM's 256 / 256) take
+    smaller key tiles."""
     if q.device.type != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if q.dtype == torch.float32:  # fp32 operands (ieee dot): small tiles to fit shared memory
-        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
-    # (128, 128, 8 warps, 2 stages): the fastest of four configs at 16 and 128 heads on the H200
-    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    da, db = _split_dim(q.shape[-1])
+    dq = max(16, da) + (max(16, triton.next_power_of_2(db)) if db else 16)
+    dv = max(16, triton.next_power_of_2(dv if dv is not None else q.shape[-1]))
+    elt = q.element_size()
+    candidates = ((64, 32, 4, 1),) if q.dtype == torch.float32 else \
+        ((128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 1))
+    for bm, bn, warps, stages in candidates:
+        if elt * (bm * dq + stages * bn * (dq + dv)) <= _SMEM_BUDGET:
+            break
+    return PrefillConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
 def _split_dim(d: int) -> tuple[int, int]:
