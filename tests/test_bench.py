@@ -1,15 +1,29 @@
-"""``mla bench`` where no GPU is needed: the formulas and ceilings every table divides by, the
-tables themselves, the options, and the providers' CPU paths."""
+"""``mla bench`` and the ``mla`` command where no GPU is needed: the formulas and ceilings every
+table divides by, the tables themselves, the options, and what each command says without CUDA."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import mla
 from mla import bench
 from mla.bench import decode, report, roofline, timing
 from mla.bench.decode_providers import decode_variant
 from mla.ops.decode.portable import DecodeConfig
 
+SRC = Path(__file__).resolve().parents[1] / "src"
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages of a machine without CUDA")
+
+
+def run_mla(*args: str) -> subprocess.CompletedProcess:
+    """``python -m mla args`` in a fresh process, on this checkout's sources."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mla", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 # ------------------------------------------------------------------ formulas and ceilings
@@ -160,6 +174,47 @@ def test_table_has_a_kernel_column_and_the_csv_keeps_it(tmp_path):
     report.write_csv(rows, tmp_path / "d.csv")
     head, first = (tmp_path / "d.csv").read_text().splitlines()[:2]
     assert "kernel" in head.split(",") and "portable" in first.split(",")
+
+
+# ------------------------------------------------------------------ the command
+
+def test_version():
+    r = run_mla("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mla {mla.__version__}"
+
+
+def test_python_m_mla_help():
+    r = run_mla("--help")
+    assert r.returncode == 0 and "usage: mla" in r.stdout and "bench" in r.stdout and "--version" in r.stdout
+
+
+def test_bench_help_lists_the_benchmarks(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(op in out for op in ("decode", "prefill", "layer"))
+
+
+@no_cuda
+def test_demo_on_cuda_without_cuda_says_so_in_one_line():
+    r = run_mla("demo", "--device", "cuda")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "CUDA is not available" in r.stderr
+
+
+@no_cuda
+@pytest.mark.parametrize("op", ["decode", "prefill", "layer"])
+def test_bench_without_cuda_says_so_on_stderr(op):
+    r = run_mla("bench", op)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"mla bench {op}: needs a CUDA GPU")
+
+
+def test_bench_bad_arguments_exit_2_before_looking_for_a_gpu():
+    r = run_mla("bench", "decode", "--variants", "gluon:nope")
+    assert r.returncode == 2 and r.stdout == "" and "unknown kernel" in r.stderr and "Traceback" not in r.stderr
+    r = run_mla("bench")
+    assert r.returncode == 2 and "usage: mla bench" in r.stderr
 
 
 # ------------------------------------------------------------------ providers (the CPU paths)
