@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mla.bench import graph_time_us
+from mla.bench.timing import graph_time_us
 from mla.ops import reference
 from mla.ops import fp8_gemm
 from mla.weights import dequant_block_fp8, quantize_block_fp8

@@ -16,17 +16,9 @@ import argparse
 import torch
 
 import mla
-from mla.bench import graph_time_us
+from mla.bench.timing import eager_time_us, graph_time_us
 from mla.testing import random_state_dict
 from mla.weights import quantize_checkpoint_fp8
-
-
-def _eager_ms(fn) -> float:
-    """Milliseconds per eager call, as ``mla bench prefill`` times eager calls (do_bench, L2
-    flushed between calls, median)."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=25, return_mode="median")
 
 
 def _step_time(fn) -> float:
@@ -44,7 +36,7 @@ def _step_time(fn) -> float:
     except Exception as e:
         print(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]}); eager time")
         torch.cuda.synchronize()
-        return _eager_ms(fn) * 1e3
+        return eager_time_us(fn)
 
 
 def _cache(cfg, batch, ctx, dtype, scaling):
@@ -105,7 +97,7 @@ def main(argv=None) -> int:
         def step():
             cache.release("p") if "p" in cache else None
             return layer(x_prompt, cache.prepare([("p", args.prompt)]))
-        ms = _eager_ms(step)
+        ms = eager_time_us(step) * 1e-3
         t0 = t0 or ms
         print(f"{lname:<13} {ms:9.3f} {t0 / ms:7.2f}x", flush=True)
         del cache

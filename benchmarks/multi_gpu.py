@@ -14,47 +14,20 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import mla
+from mla.bench.timing import eager_time_us, graph_time_us
 from mla.testing import random_state_dict
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(k, v)
 
 
-def _time(fn, sync: bool = True, iters: int = 20) -> float:
-    """Seconds per call of fn after 3 warm-up calls. A fixed count, unlike ``mla.bench``'s
-    timer (triton's do_bench picks its repeat count from each process's own estimate): every
-    rank must make the same number of calls, or the collectives inside them hang."""
-    for _ in range(3):
-        fn()
-    if sync:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if sync:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def _time_graph(fn, iters: int = 20) -> float:
-    """Seconds per replay of one call of fn captured in a CUDA graph, with ``_time``'s fixed count."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _time(g.replay, True, iters)
+ITERS = 20   # calls per timing on every rank: a fixed count, so the collectives inside them match
 
 
 def _port() -> int:
@@ -108,18 +81,17 @@ def _worker(rank, world, layouts, grid, cfg_name, backend_dist, results):
                 seen["args"] = (o, l)
                 return plain(o, l)
             par.__dict__["helix_exchange"] = spy
-            step_eager = _time(lambda: layer(x, batch), gpu)
+            step_eager = eager_time_us(lambda: layer(x, batch), ITERS, sync=gpu)
             del par.__dict__["helix_exchange"]
             step_graph = float("nan")
             if gpu:
                 try:
-                    step_graph = _time_graph(lambda: layer(x, batch))
+                    step_graph = graph_time_us([lambda: layer(x, batch)], ITERS)
                 except Exception as e:   # report, keep the eager numbers
                     print(f"rank {rank}: CUDA graph capture failed: {type(e).__name__}: {e}")
-            a2a = _time(lambda: plain(*seen["args"]), gpu) if cp > 1 else 0.0
+            a2a = eager_time_us(lambda: plain(*seen["args"]), ITERS, sync=gpu) if cp > 1 else 0.0
             step = step_graph if step_graph == step_graph else step_eager
-            rows.append((tp, cp, batch_size, ctx, step_eager * 1e6, step_graph * 1e6, batch_size / step / world,
-                         a2a * 1e6, err))
+            rows.append((tp, cp, batch_size, ctx, step_eager, step_graph, batch_size / step * 1e6 / world, a2a, err))
             del cache
             if gpu:
                 torch.cuda.empty_cache()

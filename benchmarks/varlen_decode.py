@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("varlen_decode: needs a CUDA GPU")
     try:        # one workspace for every case; each case plans with its own lengths
-        make_fa = bench._flashinfer_provider()
+        make_fa = bench.flashinfer_provider()
     except Exception as e:      # not installed: the op alone
         print(f"flashinfer: {type(e).__name__}: {e}", file=sys.stderr)
         make_fa = None
@@ -68,18 +68,18 @@ def main(argv=None) -> int:
                     copies = bench.rotated_copies(base["kv"])
                     for name, lens in mixes(B, L, torch.Generator().manual_seed(B + L)).items():
                         c = dict(base, seqlens=lens.to(base["q"].device))
-                        ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], bench.DL, c["scale"],
+                        ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], c["r"], c["scale"],
                                                    True)[0].float()
-                        op, _ = bench._op_provider()(c)
-                        err = bench._rel_err(op(c["kv"]), ref)
+                        op = bench.op_provider()(c).call
+                        err = bench.rel_err(op(c["kv"]), ref)
                         t_op = bench.graph_time_us([lambda kv=kv: op(kv) for kv in copies])
                         t_fa = float("nan")
                         if make_fa is not None:
-                            fa, _ = make_fa(c)
+                            fa = make_fa(c).call
                             t_fa = bench.graph_time_us([lambda kv=kv: fa(kv) for kv in copies])
                         keys = int(lens.sum())
                         print(f"{H:>4} {B:>4} {L:>6} {kv_format:>5} {name:>9} {keys:>8} {t_op:8.1f} {t_fa:8.1f} "
-                              f"{t_op / t_fa:8.2f} {keys * bench.ROW_BYTES[kv_format] / t_op / 1e6:9.2f} {err:9.2e}",
+                              f"{t_op / t_fa:8.2f} {keys * bench.row_bytes(kv_format) / t_op / 1e6:9.2f} {err:9.2e}",
                               flush=True)
                         if args.profile:    # the split kernel against the combine, e.g. one long's many slots
                             for who, fn in (("mla", op), ("fa3", fa if make_fa is not None else None)):

@@ -27,6 +27,7 @@ from ab_decode import tree_env  # noqa: E402
 # (H, B, L, s_q): small batches (portable / narrow), B 32 (split kernels), odd heads, MTP rows
 CASES = ((16, 1, 3000, 1), (16, 8, 1000, 1), (16, 32, 4096, 1), (16, 4, 3000, 2), (7, 3, 777, 1),
          (128, 2, 2000, 1), (128, 4, 1500, 2))
+R = 512   # the latent width (head_dim_v) of decode_case's default shapes, in every tree compared
 
 
 def save_outputs(path: str, kv_formats: list[str]) -> None:
@@ -40,7 +41,7 @@ def save_outputs(path: str, kv_formats: list[str]) -> None:
             seqlens = torch.randint(s_q, L + 1, (B,), device="cuda", generator=g, dtype=torch.int32)
             octaves = torch.randint(0, 14, c["q"].shape, device="cuda", generator=g).float()
             q = c["q"] * torch.exp2(-octaves).to(c["q"].dtype)
-            out, lse = ops.mla_decode(q, c["kv"], c["table"], seqlens, bench.DL, c["scale"], True)
+            out, lse = ops.mla_decode(q, c["kv"], c["table"], seqlens, R, c["scale"], True)
             res[(fmt, H, B, L, s_q)] = (out.cpu(), lse.cpu())
     torch.save(res, path)
 

@@ -1,4 +1,9 @@
-"""The ``mla`` console script: ``mla demo`` (the README's main job) and ``mla bench ...``."""
+"""The ``mla`` console script (also ``python -m mla``): ``mla demo`` (the README's main job),
+``mla bench ...`` and ``mla --version``.
+
+Exit status: 0 on success, 1 when a command cannot run here (``--device cuda`` without CUDA, a
+benchmark without a GPU) or its check fails, 2 for bad arguments; messages go to stderr.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,12 +11,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mla", description="Multi-head Latent Attention toolkit")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"mla {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+    # each command parses its own options (so ``mla bench decode --help`` is the benchmark's help)
     sub.add_parser("demo", help="a serving trace on a small DeepSeek-shaped model, checked step by step",
                    add_help=False)
-    sub.add_parser("bench", help="GPU benchmarks: mla bench decode|prefill --help", add_help=False)
+    sub.add_parser("bench", help="GPU benchmarks: mla bench decode|prefill|layer --help", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

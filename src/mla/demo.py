@@ -10,7 +10,7 @@ the whole sequence from scratch.
 from __future__ import annotations
 
 import argparse
-import math
+import sys
 import time
 
 import torch
@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workspace", type=int, default=32, help="max_workspace_tokens (small: shows chunking)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"mla demo: --device {args.device}: CUDA is not available here (torch {torch.__version__})",
+              file=sys.stderr)
+        return 1
     dtype = getattr(torch, args.dtype)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
     t0 = time.perf_counter()
