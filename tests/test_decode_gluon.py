@@ -309,7 +309,6 @@ def test_dependent_launch_same_bits(kernel, monkeypatch):
     """Launched as programmatic dependents (pdl, at most 32 rows) the kernels wait for
     the kernels before them: the same bits as in plain stream order, eagerly and replayed from a
     CUDA graph right after a kernel that rewrites the query, with one split and with several."""
-    from mla.ops import decode
     q, kv, table, seqlens = make_case([5, 4000, 700, 64 * 20], 1, 16, 64, torch.bfloat16, seed=12)
     if kernel == "fp8reg":
         kv = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8", DV, 1.0).view(*kv.shape[:2], -1)

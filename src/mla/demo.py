@@ -17,7 +17,7 @@ import torch
 
 from .cache import PagedLatentCache
 from .config import MLAConfig
-from .layer import MLA, rms_norm
+from .layer import MLA
 from .testing import dense_forward, random_state_dict
 
 
