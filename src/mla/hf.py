@@ -122,9 +122,9 @@ class PatchHandle:
         if not sites:
             raise ValueError(f"model: expected MLA attention modules (kv_a_proj_with_mqa, kv_b_proj) in a "
                              f"model of model_type {model_type!r}, found none")
-        expected = getattr(cfg, "mla_layers", None)
-        if expected is not None and len(expected) != len(sites):
-            raise ValueError(f"model: its config names {len(expected)} MLA layers, found {len(sites)} modules")
+        if cfg.mla_layers is not None and len(cfg.mla_layers) != len(sites):
+            raise ValueError(f"model: expected the {len(cfg.mla_layers)} MLA layers its config names, "
+                             f"found {len(sites)} modules")
         first = next(sites[0][1].parameters())
         dtype = first.dtype if dtype is None else dtype
         device = first.device
