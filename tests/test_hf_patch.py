@@ -191,6 +191,8 @@ def test_refuses_what_it_cannot_serve():
             model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(9).expand(2, 9))
         with pytest.raises(ValueError, match="runs only inside"):
             stand_ins(model)[0](torch.zeros(1, 2, 64))
+        with pytest.raises(ValueError, match="patched already"):
+            mla.hf.patch(model)
     with pytest.raises(ValueError, match="num_layers"):
         mla.hf.patch(model, mla.PagedLatentCache(mla.MLAConfig.preset("tiny"), num_blocks=4, block_size=4,
                                                  dtype=torch.float32))
@@ -209,3 +211,17 @@ def test_refused_family(name):
 def test_import_mla_does_not_import_transformers():
     code = "import sys, mla; assert 'transformers' not in sys.modules and 'mla.hf' not in sys.modules; mla.hf.patch"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_given_cache():
+    """A caller's cache (from_hf of the model's config) serves the patch and sees its blocks."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    ref = greedy(model, ids, mask)
+    cache = mla.PagedLatentCache(mla.MLAConfig.from_hf(model.config), num_layers=2, num_blocks=32, block_size=8,
+                                 dtype=torch.float32)
+    with mla.hf.patch(model, cache) as handle:
+        assert handle.cache is cache
+        assert greedy(model, ids, mask).tolist() == ref.tolist()
+        assert cache.num_free_blocks == 32 - sum(math.ceil((int(n) + NEW_TOKENS - 1) / 8) for n in mask.sum(1))
+    assert cache.num_free_blocks == 32          # unpatch releases the request

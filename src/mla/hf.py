@@ -118,6 +118,8 @@ class PatchHandle:
         # The cache holds only the MLA modules, numbered 0 .. M-1 in model order (LongCat has two
         # per decoder layer, Kimi Linear only its full-attention layers).
         self.cfg = dataclasses.replace(cfg, mla_layers=None)
+        if any(isinstance(m, _MLAAttention) for m in model.modules()):
+            raise ValueError("model: expected an unpatched model, got one patched already (unpatch it first)")
         sites = [(name, m) for name, m in model.named_modules() if _is_mla_attention(m)]
         if not sites:
             raise ValueError(f"model: expected MLA attention modules (kv_a_proj_with_mqa, kv_b_proj) in a "
