@@ -6,5 +6,13 @@ from .config import MLAConfig, RopeScaling
 from .layer import MLA
 from .parallel import Parallel
 
-__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "Parallel", "ops"]
+__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "Parallel", "ops", "hf"]
+
+
+def __getattr__(name):
+    # mla.hf (the transformers drop-in) loads on first use, so `import mla` stays light.
+    if name == "hf":
+        import importlib
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 __version__ = "0.1.0"

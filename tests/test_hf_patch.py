@@ -1,0 +1,227 @@
+"""mla.hf.patch: a transformers MLA model runs its attention through mla and generates the
+same greedy tokens as the unpatched model's own eager ``generate``.
+
+For every exact family (tests/hf_families.py's config table) a tiny random ``...ForCausalLM``
+(hidden 64, 2-4 layers, 3-4 heads, vocabulary 32, a tiny MoE where the family has one) in
+float32 with unit-scale weights, so that greedy tokens vary. Each test compares the patched
+model with the same model unpatched: tokens for ``generate``, logits (float32, relative error
+<= LOGIT_TOL) for direct forwards of a left-padded batch.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_families as F
+import mla
+
+CASES = list(F.EXACT)
+CAUSAL_LM = dict(deepseek_v2="DeepseekV2ForCausalLM", deepseek_v3="DeepseekV3ForCausalLM", axk1="AXK1ForCausalLM",
+                 youtu="YoutuForCausalLM", glm4_moe_lite="Glm4MoeLiteForCausalLM", mistral4="Mistral4ForCausalLM",
+                 longcat_flash="LongcatFlashForCausalLM", minicpm3="MiniCPM3ForCausalLM",
+                 kimi_linear="KimiLinearForCausalLM")
+# The model around the attention kept tiny: small MLPs, an MoE layer in DeepSeek-V3 (layer 1),
+# MiniCPM3's embedding and logit scales at 1 so that random weights give varied tokens.
+MODEL_OVERRIDES = dict(intermediate_size=32, moe_intermediate_size=16, first_k_dense_replace=1, scale_emb=1,
+                       dim_model_base=64)
+# Attention modules each model has: LongCat two per decoder layer, Kimi Linear its full-attention layers.
+NUM_MLA = dict(longcat_flash=2, kimi_linear=2)
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+NEW_TOKENS = 8
+# Weight seeds whose greedy tokens vary in every row (seed 0 repeats one token in a row of these).
+GENERATE_SEEDS = dict(mistral4_neox=1)
+LOGIT_TOL = 1e-4     # float32 logits after 2-4 layers; mla's attention differs from eager by ~1e-6
+
+
+def make_model(case: str, seed: int = 0):
+    """The family's tiny ForCausalLM in float32: matrices std 2 / sqrt(fan_in), norms in [0.5, 1.5)."""
+    c = F.EXACT[case]
+    cfg = c.make_config()
+    for k, v in MODEL_OVERRIDES.items():
+        if hasattr(cfg, k) and k not in c.overrides:
+            setattr(cfg, k, v)
+    module = importlib.import_module(f"transformers.models.{c.module}.modeling_{c.module}")
+    model = getattr(module, CAUSAL_LM[c.family])(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (2.0 / math.sqrt(p.shape[-1])))
+            elif "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def prompts(batch: int, seed: int):
+    """(input_ids, attention_mask): batch 1 of 7 tokens, or 2 rows of 9 and 5 tokens left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7] if batch == 1 else [9, 5]
+    width = max(lengths)
+    ids = torch.randint(0, 32, (batch, width), generator=g)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = 1
+        ids[b, : width - n] = 0
+    return ids, mask
+
+
+def greedy(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kw)
+
+
+def blocks_held(mask, new_tokens: int = NEW_TOKENS) -> int:
+    """Blocks a finished request holds: each row's real prompt tokens and all but the last new one."""
+    return sum(math.ceil((int(n) + new_tokens - 1) / BLOCK_SIZE) for n in mask.sum(1))
+
+
+def stand_ins(model):
+    return [m for m in model.modules() if type(m).__name__ == "_MLAAttention"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generate_matches_eager(case):
+    """Batch 1, then a left-padded batch of 2 (a new request), then batch 1 again: the same
+    tokens as the unpatched model; each request releases the previous one's blocks; unpatch
+    restores the original modules."""
+    model = make_model(case, seed=GENERATE_SEEDS.get(case, 0))
+    originals = [m for m in model.modules() if F.attention_class(F.EXACT[case]) is type(m)]
+    (ids1, mask1), (ids2, mask2) = prompts(1, seed=1), prompts(2, seed=2)
+    ref1, ref2 = greedy(model, ids1, mask1), greedy(model, ids2, mask2)
+    rows = ref1[:, ids1.shape[1]:].tolist() + ref2[:, ids2.shape[1]:].tolist()
+    assert all(len(set(r)) >= 2 for r in rows) and len({t for r in rows for t in r}) >= 6, \
+        f"{case}: greedy tokens {rows} barely vary: the test would be weak"
+
+    handle = mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    assert len(stand_ins(model)) == len(originals) == NUM_MLA.get(case, F.EXACT[case].make_config().num_hidden_layers)
+    total = handle.cache.num_free_blocks
+    assert total == NUM_BLOCKS
+    out1 = greedy(model, ids1, mask1)
+    assert out1.tolist() == ref1.tolist(), f"{case}, batch 1"
+    assert handle.cache.num_free_blocks == total - blocks_held(mask1)
+    out2 = greedy(model, ids2, mask2)
+    assert out2.tolist() == ref2.tolist(), f"{case}, left-padded batch 2"
+    assert handle.cache.num_free_blocks == total - blocks_held(mask2)    # batch 1's blocks came back
+    assert greedy(model, ids1, mask1).tolist() == ref1.tolist(), f"{case}, batch 1 after batch 2"
+    handle.release()
+    assert handle.cache.num_free_blocks == total
+
+    handle.unpatch()
+    assert not stand_ins(model)
+    assert [m for m in model.modules() if F.attention_class(F.EXACT[case]) is type(m)] == originals
+    assert greedy(model, ids2, mask2).tolist() == ref2.tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_left_padded_logits(case):
+    """Direct forwards as generate makes them: a left-padded prefill with position_ids from the
+    mask, then two decode steps on the returned cache. Logits of the real tokens match."""
+    model = make_model(case, seed=3)
+    ids, mask = prompts(2, seed=4)
+    steps = [torch.tensor([[5], [17]]), torch.tensor([[29], [3]])]
+
+    def run():
+        outs, m, cache, x = [], mask, None, ids
+        for step in range(len(steps) + 1):
+            pos = (m.cumsum(1) - 1).clamp(min=0)[:, -x.shape[1]:]
+            o = model(input_ids=x, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
+            outs.append(o.logits)
+            cache = o.past_key_values
+            if step < len(steps):
+                x, m = steps[step], torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+        return outs, cache
+
+    ref, _ = run()
+    handle = mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    ours, hf_cache = run()
+    real = mask.bool()
+    pairs = [(ours[0][real], ref[0][real])] + [(o, r) for o, r in zip(ours[1:], ref[1:])]
+    for i, (o, r) in enumerate(pairs):
+        err = ((o - r).norm() / r.norm()).item()
+        assert err <= LOGIT_TOL, f"{case}: step {i}: logits relative error {err:.3g}"
+    # transformers' cache holds one uint8 per token of each MLA layer, never the K/V.
+    for layer in (hf_cache.layers[m.layer_idx] for m in stand_ins(model)):
+        assert layer.keys.dtype == torch.uint8 and layer.keys.shape[-1] == 1
+    assert [handle.cache.length(s) for s in handle._seq_ids] == [int(n) + len(steps) for n in mask.sum(1)]
+    handle.unpatch()
+
+
+@pytest.mark.parametrize("mode", ["beam_search", "no_cache", "eos_return_dict", "continue_cache"])
+def test_generate_modes(mode):
+    """Beam search (reorder forks sequences), use_cache=False (every step a new request), an
+    eos that stops a row with the cache returned, and a generate that continues a returned cache."""
+    model = make_model("deepseek_v3", seed=5)
+    ids, mask = prompts(2, seed=6)
+    kw = {"beam_search": dict(num_beams=3), "no_cache": dict(use_cache=False),
+          "eos_return_dict": dict(eos_token_id=10, pad_token_id=0, return_dict_in_generate=True),
+          "continue_cache": {}}[mode]
+    ref = greedy(model, ids, mask, **kw)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+        if mode == "continue_cache":
+            half = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS // 2, do_sample=False,
+                                  return_dict_in_generate=True)
+            mask2 = torch.cat([mask, torch.ones(2, NEW_TOKENS // 2, dtype=mask.dtype)], 1)
+            out = model.generate(half.sequences, attention_mask=mask2, past_key_values=half.past_key_values,
+                                 max_new_tokens=NEW_TOKENS // 2, do_sample=False)
+        else:
+            out = greedy(model, ids, mask, **kw)
+        if mode == "eos_return_dict":
+            out, ref = out.sequences, ref.sequences
+        assert out.tolist() == ref.tolist()
+        handle.release()
+        assert handle.cache.num_free_blocks == NUM_BLOCKS
+    assert not stand_ins(model)
+
+
+def test_refuses_what_it_cannot_serve():
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=7)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        with pytest.raises(ValueError, match="dynamic transformers Cache"):
+            greedy(model, ids, mask, cache_implementation="static")
+        with pytest.raises(ValueError, match="attention_mask"):
+            model(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9))
+        with pytest.raises(ValueError, match="position_ids"):           # positions counted over the pads
+            model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(9).expand(2, 9))
+        with pytest.raises(ValueError, match="runs only inside"):
+            stand_ins(model)[0](torch.zeros(1, 2, 64))
+        with pytest.raises(ValueError, match="patched already"):
+            mla.hf.patch(model)
+    with pytest.raises(ValueError, match="num_layers"):
+        mla.hf.patch(model, mla.PagedLatentCache(mla.MLAConfig.preset("tiny"), num_blocks=4, block_size=4,
+                                                 dtype=torch.float32))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "hy_v4"])
+def test_refused_family(name):
+    """A family from_hf refuses is refused by patch, naming the model_type, before any change."""
+    cfg = F.make_refused_config(name)
+    model = torch.nn.Module()
+    model.config = cfg
+    with pytest.raises(NotImplementedError, match=cfg.model_type):
+        mla.hf.patch(model)
+
+
+def test_import_mla_does_not_import_transformers():
+    code = "import sys, mla; assert 'transformers' not in sys.modules and 'mla.hf' not in sys.modules; mla.hf.patch"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_given_cache():
+    """A caller's cache (from_hf of the model's config) serves the patch and sees its blocks."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    ref = greedy(model, ids, mask)
+    cache = mla.PagedLatentCache(mla.MLAConfig.from_hf(model.config), num_layers=2, num_blocks=32, block_size=8,
+                                 dtype=torch.float32)
+    with mla.hf.patch(model, cache) as handle:
+        assert handle.cache is cache
+        assert greedy(model, ids, mask).tolist() == ref.tolist()
+        assert cache.num_free_blocks == 32 - sum(math.ceil((int(n) + NEW_TOKENS - 1) / 8) for n in mask.sum(1))
+    assert cache.num_free_blocks == 32          # unpatch releases the request
