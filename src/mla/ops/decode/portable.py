@@ -193,6 +193,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         kv_cache = kv_cache.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # the kernel takes the table's row stride only, and reads lengths at unit stride
+    block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
     dv, dr = head_dim_v, d - head_dim_v
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
