@@ -325,19 +325,30 @@ class PagedLatentCache:
         return batch
 
 
+# host bytes of a block's bookkeeping: an int in the free list (deque slot + int object) and a
+# refcount slot, rounded up
+_HOST_BYTES_PER_BLOCK = 48
+
+
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The zeroed storage, or a ValueError naming num_blocks and the bytes it needs when the
-    device cannot hold it: checked first against the device's free memory (CUDA) or the
+    machine cannot hold it: checked first against the device's free memory (CUDA) or the
     machine's physical memory (CPU, where an overcommitted allocation would pass and zeroing it
-    could get the process killed), and the allocator's own refusal is reported the same way."""
+    could get the process killed), with the host bookkeeping (``_HOST_BYTES_PER_BLOCK`` a block,
+    on any device, "meta" too) against physical memory; the allocator's own refusal is reported
+    the same way."""
     need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    limit = _memory_limit(device)
+    host = shape[1] * _HOST_BYTES_PER_BLOCK
+    limit, ram = _memory_limit(device), _memory_limit(torch.device("cpu"))
 
     def refuse(why: str) -> ValueError:
         return ValueError(f"num_blocks: {shape[1]} blocks (x {shape[0]} layers x {shape[2]} tokens x {shape[3]} "
-                          f"values) need {need} bytes ({need / 2**30:.1f} GiB), {why}")
-    if limit is not None and need > limit:
+                          f"values) need {need} bytes ({need / 2**30:.1f} GiB) on {device} and {host} bytes of "
+                          f"host bookkeeping, {why}")
+    if limit is not None and need + (host if device.type == "cpu" else 0) > limit:
         raise refuse(f"more than the {limit} bytes {device} has ({'free' if device.type == 'cuda' else 'in all'})")
+    if ram is not None and host > ram:
+        raise refuse(f"more than the {ram} bytes of host memory")
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
