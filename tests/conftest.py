@@ -22,3 +22,9 @@ def pytest_runtest_call(item):
 
     if INTERPRETER_BROKEN and isinstance(exc, RuntimeError) and "triton-lang/triton#9171" in str(exc):
         outcome.force_exception(pytest.skip.Exception("Triton's interpreter with numpy >= 2.4 on a GPU machine"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-steps", type=int, default=150,
+                     help="random operations per case of tests/test_cache_fuzz.py (CI: the default; "
+                          "a long run: e.g. --fuzz-steps 20000)")

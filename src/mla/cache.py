@@ -11,6 +11,9 @@ raises leaves the cache exactly as it was.
 """
 from __future__ import annotations
 
+import math
+import os
+import weakref
 from collections import deque
 from typing import Hashable, Iterable
 
@@ -56,8 +59,9 @@ class PagedLatentCache:
             raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype}")
         if fp8_scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8_scaling: expected one of {FP8_SCALINGS}, got {fp8_scaling!r}")
-        if not (isinstance(kv_scale, (int, float)) and kv_scale > 0):
-            raise ValueError(f"kv_scale: expected a positive float, got {kv_scale!r}")
+        if not (isinstance(kv_scale, (int, float)) and not isinstance(kv_scale, bool) and math.isfinite(kv_scale)
+                and kv_scale > 0):
+            raise ValueError(f"kv_scale: expected a finite float > 0, got {kv_scale!r}")
         if dtype == torch.float8_e4m3fn and fp8_scaling == "tile" and cfg.kv_lora_rank % quant.TILE:
             raise ValueError(f"fp8_scaling: 'tile' needs kv_lora_rank a multiple of {quant.TILE}, "
                              f"got {cfg.kv_lora_rank}")
@@ -72,8 +76,8 @@ class PagedLatentCache:
         self.format = "plain" if dtype != torch.float8_e4m3fn else ("fp8" if fp8_scaling == "tensor" else "fp8_tile")
         self.kv_scale = float(kv_scale)
         width = quant.row_width(self.format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        self.kv = torch.zeros(num_layers, num_blocks, block_size, width, device=self.device,
-                              dtype=quant.storage_dtype(self.format, dtype))
+        shape = (num_layers, num_blocks, block_size, width)
+        self.kv = _allocate(shape, quant.storage_dtype(self.format, dtype), self.device)
         self.device = self.kv.device    # "cuda" -> "cuda:0": compared with the layer's device
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
@@ -84,11 +88,14 @@ class PagedLatentCache:
         # changes (so that a batch checked once is not checked again until something changes)
         self._changes = 0
         self._versions: dict[Hashable, int] = {}
+        # the batches prepare made (and only those): a Batch built by hand, or a copy of one,
+        # could carry any slot_mapping and overwrite other sequences' rows
+        self._prepared: weakref.WeakSet[Batch] = weakref.WeakSet()
 
     # ---- queries ---------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
         """The cache of one layer: [num_blocks, block_size, row width] (r + dr for plain and fp8)."""
-        if not 0 <= layer_idx < self.num_layers:
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected 0..{self.num_layers - 1}, got {layer_idx}")
         return self.kv[layer_idx]
 
@@ -192,12 +199,20 @@ class PagedLatentCache:
         self._changes += 1
 
     def check_batch(self, batch: Batch) -> None:
-        """ValueError unless ``batch`` is this cache's and none of its sequences changed (prepare,
-        fork, truncate, release) since it was prepared: a stale batch would write slots that now
-        belong to other tokens or sequences. Every layer calls this; it costs a comparison until
-        the cache changes."""
-        if batch.cache is not self:
-            raise ValueError("batch: expected a Batch that this cache prepared")
+        """ValueError unless ``batch`` is one that this cache's ``prepare`` returned (not one built
+        by hand nor a copy: its slots could be anyone's) and none of its sequences changed
+        (prepare, fork, truncate, release) since it was prepared: a stale batch would write slots
+        that now belong to other tokens or sequences. Every layer calls this; it costs a
+        comparison until the cache changes. (The Batch's tensors are the caller's not to edit in
+        place: checking their values would sync the stream on every layer.)"""
+        try:
+            ours = isinstance(batch, Batch) and batch.cache is self and batch in self._prepared
+        except TypeError:   # unhashable: not a Batch of ours
+            ours = False
+        if not ours:
+            raise ValueError(f"batch: expected a Batch that this cache prepared (from its prepare), "
+                             f"got {'another' if isinstance(batch, Batch) else type(batch).__name__}"
+                             f"{' Batch' if isinstance(batch, Batch) else ''}")
         if batch._checked == self._changes:
             return
         for seq, v in zip(batch.seq_ids, batch.versions):
@@ -297,7 +312,7 @@ class PagedLatentCache:
         def ints(x, dtype):
             return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
-        return Batch(
+        batch = Batch(
             seq_ids=tuple(s for s, _ in reqs),
             num_cached=tuple(self._lengths[s] - n for s, n in reqs),
             num_new=tuple(n for _, n in reqs),
@@ -306,3 +321,48 @@ class PagedLatentCache:
             cache_seqlens=ints(seqlens, torch.int32), cu_seqlens_q=ints(cu_q, torch.int32),
             cu_seqlens_k=ints(cu_k, torch.int32), block_size=bs, cache=self,
             versions=tuple(self._versions[s] for s, _ in reqs), _checked=self._changes)
+        self._prepared.add(batch)
+        return batch
+
+
+# host bytes of a block's bookkeeping: an int in the free list (deque slot + int object) and a
+# refcount slot, rounded up
+_HOST_BYTES_PER_BLOCK = 48
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The zeroed storage, or a ValueError naming num_blocks and the bytes it needs when the
+    machine cannot hold it: checked first against the device's free memory (CUDA) or the
+    machine's physical memory (CPU, where an overcommitted allocation would pass and zeroing it
+    could get the process killed), with the host bookkeeping (``_HOST_BYTES_PER_BLOCK`` a block,
+    on any device, "meta" too) against physical memory; the allocator's own refusal is reported
+    the same way."""
+    need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    host = shape[1] * _HOST_BYTES_PER_BLOCK
+    limit, ram = _memory_limit(device), _memory_limit(torch.device("cpu"))
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"num_blocks: {shape[1]} blocks (x {shape[0]} layers x {shape[2]} tokens x {shape[3]} "
+                          f"values) need {need} bytes ({need / 2**30:.1f} GiB) on {device} and {host} bytes of "
+                          f"host bookkeeping, {why}")
+    if limit is not None and need + (host if device.type == "cpu" else 0) > limit:
+        raise refuse(f"more than the {limit} bytes {device} has ({'free' if device.type == 'cuda' else 'in all'})")
+    if ram is not None and host > ram:
+        raise refuse(f"more than the {ram} bytes of host memory")
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        raise refuse(f"and {device} could not allocate them ({str(e).splitlines()[0][:200]})") from None
+
+
+def _memory_limit(device: torch.device) -> int | None:
+    """Bytes one allocation may take on the device: free memory on CUDA, physical memory on CPU;
+    None where unknown (e.g. "meta", which allocates nothing)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None

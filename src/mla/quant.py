@@ -11,6 +11,12 @@ Latent cache rows (one per token, r = kv_lora_rank, dr = qk_rope_head_dim):
       [.., + 2 * dr)         k_pe as bfloat16, unquantized (RoPE is sensitive to rounding)
   656 bytes for r = 512, dr = 64.
 
+Non-finite values (the rule of every backend, ``quantize_rows`` and the kernels of
+``mla.ops.rope_append`` / ``quantize_act_1x128`` alike): NaN stays NaN, as a bf16 cache would keep
+it, so attention over the row gives NaN rather than invented finite values. In "fp8" rows +-inf
+saturate to +-448 (e4m3fn has no inf) and NaN is stored as NaN (0x7F); in "fp8_tile" rows a tile
+holding a NaN or an inf has a NaN or inf scale, so the whole tile reads back as NaN.
+
 Checkpoint weights: float8_e4m3fn [out, in] with ``weight_scale_inv`` [ceil(out/128),
 ceil(in/128)]: float32 (DeepSeek-V3) or power-of-two "ue8m0" (float8_e8m0fnu, or uint8
 exponents with bias 127); each 128 x 128 block dequantizes as w * scale.

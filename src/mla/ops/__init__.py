@@ -19,8 +19,9 @@ import torch
 
 from .. import quant
 from . import reference
-from ._checks import (FLOAT, as_float, check, check_act, check_fp8_weight, check_int_vector, check_interpretable,
-                      check_paged_values, describe, host_offsets, offsets_ok)
+from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_gather_values, check_int,
+                      check_int_vector, check_interpretable, check_paged_values, check_writable, dense, describe,
+                      host_offsets, offsets_ok)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
@@ -85,7 +86,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     On CPU tensors the lengths (0..max_blocks * block_size) and the block ids they reach (in
     [0, num_blocks); entries past a sequence's last block may hold anything) are checked. On
     CUDA they are the caller's responsibility: reading them back would sync the stream, and
-    decode must stay capturable in a CUDA graph.
+    decode must stay capturable in a CUDA graph. Every tensor may have any strides (strided
+    block_table and cache_seqlens are copied to a contiguous layout on the device: no sync).
     """
     check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {describe(q)}")
     check(q.dtype in FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
@@ -93,7 +95,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
         check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
-    check(isinstance(head_dim_v, int) and 0 < head_dim_v <= d, f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
+    check_int("head_dim_v", head_dim_v, 1, d)
+    check_flag("causal", causal)
+    check_flag("pdl", pdl)
     check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
     fmt = quant.cache_format(kv_cache)
     width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
@@ -109,13 +113,14 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
     check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
     check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
-    softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale)
+    softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
+    block_table, cache_seqlens = dense(block_table), dense(cache_seqlens)
     impl = _impl("mla_decode", backend, q.device, fmt)
     check_interpretable("mla_decode", impl is reference.mla_decode, q.device, q, kv_cache)
-    options = {} if impl is reference.mla_decode else {"pdl": bool(pdl)}
+    options = {} if impl is reference.mla_decode else {"pdl": pdl}
     if fmt == "plain":
-        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal), **options)
-    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, bool(causal), kv_scale, **options)
+        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, **options)
+    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale, **options)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, max_seqlen_q=None,
@@ -139,7 +144,8 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
 
     The offsets' values (0 first, never decreasing, Tq / Tk last) are checked on CPU tensors
     and for backend="torch", which read them on the host anyway; on CUDA with the kernels they
-    are the caller's responsibility.
+    are the caller's responsibility. Every tensor may have any strides (strided cu_seqlens are
+    copied to a contiguous layout on the device: no sync).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check(isinstance(t, torch.Tensor) and t.dim() == 3, f"{name}: expected a 3-D [tokens, heads, dim] tensor, got {describe(t)}")
@@ -152,7 +158,9 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q: expected [B + 1] offsets (B >= 0), got an empty tensor")
     check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
     B = cu_seqlens_q.shape[0] - 1
+    cu_seqlens_q, cu_seqlens_k = dense(cu_seqlens_q), dense(cu_seqlens_k)
     softmax_scale = as_float("softmax_scale", softmax_scale)
+    check_flag("causal", causal)
     for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
         # what the host can check: B + 1 ints from 0 to the row count, never decreasing
         check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
@@ -181,7 +189,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
                f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
                f"got {m!r}")
     options = {} if is_reference else {"kernel": kernel, "workspace": workspace}
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, bool(causal), max_seqlen_q, max_seqlen_k,
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k,
                 offsets_q, offsets_k, **options)
 
 
@@ -213,34 +221,51 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     (interleaved pairs (2i, 2i+1) or neox pairs (i, i + dr/2)); rows [c_kv | rope(k_pe)]
     (c_kv [T, r]) are written to kv_cache [num_blocks, block_size, r + dr] at the flat
     slots slot_mapping [T] int64 (negative slots are skipped), quantized where the cache is FP8
-    (see mla_decode for the formats). Returns None.
+    (see mla_decode for the formats; NaN stays NaN there, see mla.quant). kv_scale: the FP8
+    rows' per-tensor scale, finite and > 0. Returns None.
+
+    Every tensor may have any strides; q_pe, k_pe and kv_cache are written through theirs (no
+    overlapping elements). Slots past the pool are refused on CPU tensors; on CUDA they are the
+    caller's (checking them would sync the stream), and the kernel skips them (never writes
+    out of bounds).
     """
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
+                    ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        check(isinstance(t, torch.Tensor), f"{name}: expected a tensor, got {describe(t)}")
+    check(c_kv.dim() == 2 and c_kv.dtype in FLOAT, f"c_kv: expected float [T, r], got {describe(c_kv)}")
     T = c_kv.shape[0]
-    check(q_pe.dim() == 3 and q_pe.shape[0] == T, f"q_pe: expected [{T}, H, dr], got {describe(q_pe)}")
+    check(q_pe.dim() == 3 and q_pe.shape[0] == T and q_pe.dtype in FLOAT,
+          f"q_pe: expected float [{T}, H, dr], got {describe(q_pe)}")
     dr = q_pe.shape[-1]
-    check(k_pe.shape == (T, dr), f"k_pe: expected [{T}, {dr}], got {describe(k_pe)}")
-    check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32,
-           f"cos, sin: expected float32 [{T}, {dr // 2}], got {describe(cos)}, {describe(sin)}")
+    check(k_pe.shape == (T, dr) and k_pe.dtype in FLOAT, f"k_pe: expected float [{T}, {dr}], got {describe(k_pe)}")
+    check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32
+          and sin.dtype == torch.float32,
+          f"cos, sin: expected float32 [{T}, {dr // 2}], got {describe(cos)}, {describe(sin)}")
     fmt = quant.cache_format(kv_cache)
     width = quant.row_width(fmt, c_kv.shape[-1], dr)
     check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
            f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
+    check(fmt != "plain" or kv_cache.dtype in FLOAT, f"kv_cache: expected a float or FP8 dtype, got {kv_cache.dtype}")
     check(slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64,
            f"slot_mapping: expected int64 [{T}], got {describe(slot_mapping)}")
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
                     ("slot_mapping", slot_mapping)):
         check(t.device == kv_cache.device, f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        check_writable(name, t)
+    check_flag("interleave", interleave)
     if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
         slots = kv_cache.shape[0] * kv_cache.shape[1]
         bad = (slot_mapping >= slots).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative "
                              f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
-    kv_scale = as_float("kv_scale", kv_scale)
+    kv_scale = as_float("kv_scale", kv_scale, positive=True)
+    cos, sin, slot_mapping = dense(cos), dense(sin), dense(slot_mapping)
     impl = _impl("rope_append", backend, kv_cache.device, fmt, (q_pe, c_kv, kv_cache))
     if fmt == "plain":
-        return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave))
-    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, bool(interleave), kv_scale)
+        return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
+    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):
@@ -250,14 +275,25 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, back
 
     kv_cache [num_blocks, block_size, d]; block_table [B, max_blocks] int32; starts [B] int32;
     cu_seqlens [B + 1] int32 with cu_seqlens[-1] == num_tokens (an int, so no host sync).
+
+    On CPU tensors the values are checked: cu_seqlens non-decreasing from 0 to num_tokens,
+    starts >= 0, and every block the rows reach inside block_table's row and in
+    [0, num_blocks). On CUDA they are the caller's (reading them would sync the stream); the
+    kernel then clamps every index into its tensor, so wrong values give wrong rows (rows past
+    cu_seqlens[-1] are zeros) but never a read out of bounds.
     """
-    check(kv_cache.dim() == 3, f"kv_cache: expected [num_blocks, block_size, d], got {describe(kv_cache)}")
-    check(block_table.dim() == 2 and block_table.dtype == torch.int32,
+    check(isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3,
+          f"kv_cache: expected [num_blocks, block_size, d], got {describe(kv_cache)}")
+    check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
            f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+    check(block_table.device == kv_cache.device,
+          f"block_table: expected device {kv_cache.device} (kv_cache's), got {block_table.device}")
     B = block_table.shape[0]
     check_int_vector("starts", starts, B, kv_cache.device)
     check_int_vector("cu_seqlens", cu_seqlens, B + 1, kv_cache.device)
-    check(isinstance(num_tokens, int) and num_tokens >= 0, f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, 0)
+    check_gather_values(block_table, starts, cu_seqlens, num_tokens, kv_cache.shape[0], kv_cache.shape[1])
+    block_table, starts, cu_seqlens = dense(block_table), dense(starts), dense(cu_seqlens)
     return _impl("gather_latent", backend, kv_cache.device, "plain")(
         kv_cache, block_table, starts, cu_seqlens, num_tokens)
 

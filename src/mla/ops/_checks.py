@@ -15,20 +15,50 @@ def check(cond: bool, msg: str) -> None:
 
 
 def check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
+    """A 1-D int32 tensor on ``device``, of ``length`` entries (any strides: see ``dense``)."""
     check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int32,
            f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
     check(length is None or t.shape[0] == length, f"{name}: expected length {length}, got {t.shape[0]}")
     check(t.device == device, f"{name}: expected device {device}, got {t.device}")
 
 
-def as_float(name: str, x) -> float:
-    """A scale as a Python float: any real number (int, float, numpy or 0-d tensor), not a string."""
+def as_float(name: str, x, positive: bool = False) -> float:
+    """A scale as a Python float: any real number (int, float, numpy or 0-d tensor), not a string
+    nor a bool (True is a flag, not the scale 1.0); ``positive``: also > 0 (a divisor)."""
     try:
-        f = None if isinstance(x, (str, bytes)) else float(x)
-    except (TypeError, ValueError):
+        f = None if isinstance(x, (str, bytes, bool)) else float(x)
+    except (TypeError, ValueError, RuntimeError):
         f = None
-    check(f is not None and math.isfinite(f), f"{name}: expected a finite real number, got {x!r}"[:200])
+    ok = f is not None and math.isfinite(f) and (f > 0 or not positive)
+    check(ok, f"{name}: expected a finite real number{' > 0' if positive else ''}, got {x!r}"[:200])
     return f
+
+
+def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> None:
+    """An int argument: a Python int, not a bool (True would count as 1), in lo..hi."""
+    ok = isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo) and (hi is None or x <= hi)
+    where = "" if lo is None and hi is None else f" in {'' if lo is None else lo}..{'' if hi is None else hi}"
+    check(ok, f"{name}: expected an int{where}, got {x!r}"[:200])
+
+
+def check_flag(name: str, x) -> None:
+    """A switch: True or False only (bool("false") and bool(tensor) would silently read as True)."""
+    check(isinstance(x, bool), f"{name}: expected a bool, got {x!r}"[:200])
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """A tensor an op writes in place: no two elements at one address (an expanded view), where
+    the last write would win at random on the GPU."""
+    check(torch._debug_has_internal_overlap(t) != 1,
+          f"{name}: expected a tensor without overlapping elements (written in place), got strides {t.stride()}")
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor (block table, lengths, offsets, slots, cos/sin) laid out as the kernels
+    read it: row-major with unit stride. The kernels take only the row stride of a table, or
+    none, so a strided or column-major view is copied (a small device copy: no host sync, and
+    capturable in a CUDA graph); a contiguous one is passed as it is."""
+    return t.contiguous()
 
 
 def check_paged_values(block_table, cache_seqlens, num_blocks: int, block_size: int) -> None:
@@ -101,3 +131,26 @@ def check_fp8_weight(x, weight, weight_scale_inv, out_dtype) -> torch.dtype:
     out_dtype = x.dtype if out_dtype is None else out_dtype
     check(out_dtype in FLOAT, f"out_dtype: expected float16, bfloat16, float32 or None, got {out_dtype}")
     return out_dtype
+
+
+def check_gather_values(block_table, starts, cu_seqlens, num_tokens: int, num_blocks: int, block_size: int) -> None:
+    """CPU tensors only (on CUDA the reads would sync the stream): cu_seqlens runs from 0 to
+    num_tokens without decreasing, starts are >= 0, and every block a sequence's rows reach is
+    inside its table row and the pool."""
+    if block_table.device.type != "cpu":
+        return
+    cu, st = cu_seqlens.tolist(), starts.tolist()
+    check(offsets_ok(cu, num_tokens),
+          f"cu_seqlens: expected non-decreasing offsets from 0 to num_tokens = {num_tokens}, got {cu}"[:300])
+    table, width = block_table.tolist(), block_table.shape[1]
+    for b, (s, n) in enumerate(zip(st, (y - x for x, y in zip(cu, cu[1:])))):
+        check(s >= 0, f"starts: expected ints >= 0, got {s} at index {b}")
+        if n == 0:
+            continue
+        last = (s + n - 1) // block_size
+        check(last < width, f"block_table: sequence {b} reads tokens {s}..{s + n - 1}, block {last} of its row, "
+                            f"past block_table.shape[1] = {width}")
+        for j in range(s // block_size, last + 1):
+            check(0 <= table[b][j] < num_blocks, f"block_table: expected block ids in [0, {num_blocks}) for the "
+                                                  f"blocks starts and cu_seqlens reach, got block_table[{b}, {j}] = "
+                                                  f"{table[b][j]}")

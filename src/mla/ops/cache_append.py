@@ -11,7 +11,8 @@ RoPE pairs (x1, x2) are (2i, 2i + 1) (interleaved) or (i, i + dr/2) (neox); the 
 is (x1 c - x2 s, x2 c + x1 s) in float32 with cos, sin [T, dr/2], cast back to the input
 dtype, exactly as ``mla.rope.apply_rope``. Every tensor is passed with its strides, so
 q_pe may be the view q[..., dn:] of [T, H, dn + dr] and k_pe, c_kv views of [T, r + dr].
-A negative slot (padding) rotates but writes no cache row. Rows are loaded whole (16-byte
+A negative slot (padding) rotates but writes no cache row, and so does a slot past the pool
+(``mla.ops.rope_append`` refuses those on CPU; on CUDA they are unchecked, and never written). Rows are loaded whole (16-byte
 accesses) and split into pairs in registers; dr must be a power of two (64 in every preset;
 ``rope_append.takes`` says which inputs the kernel serves, ``mla.ops`` sends the others to the
 reference).
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._jit import jit, kv_fmt
-from .fp8_gemm import round_to_bf16, round_to_e4m3
+from .fp8_gemm import nan_if_any, round_to_bf16, to_e4m3
 
 __all__ = ["rope_append"]
 
@@ -48,21 +49,22 @@ def _to_cache(x, kv_scale, out_ty: tl.constexpr, KV_FMT: tl.constexpr):
     """Values in the cache's storage: a cast (plain rows) or x / kv_scale clamped to +-448 and
     rounded to e4m3 (FP8 rows), as ``mla.quant.quantize_rows`` does (correctly rounded division;
     rounded in float32 first, so the cast is exact: Triton 3.6's interpreter rounds some casts
-    to e4m3 and bf16 down)."""
+    to e4m3 and bf16 down; NaN stays NaN, +-inf saturate: ``to_e4m3``)."""
     if KV_FMT == 1:
-        return round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)).to(tl.float8e4nv)
+        return to_e4m3(tl.math.div_rn(x.to(tl.float32), kv_scale))
     return x.to(out_ty)
 
 
 @jit
 def _store_tile_row(dst, c_ptr, stride_cd, k, R, d):
     """One FP8 tile row (bytes, unit stride): per 128 latent values e4m3 of value / scale with
-    scale = max(amax, 1e-12) / 448 (float32, after the R latent bytes), then k_pe as bfloat16."""
+    scale = max(amax, 1e-12) / 448 (float32, after the R latent bytes), then k_pe as bfloat16.
+    A tile holding a NaN gets a NaN scale and NaN values, as in ``mla.quant.quantize_rows``."""
     j = tl.arange(0, 128)
     for t0 in range(0, R, 128):
         x = tl.load(c_ptr + (t0 + j) * stride_cd).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)
-        q8 = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)).to(tl.float8e4nv)
+        scale = nan_if_any(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0), x, 0)
+        q8 = to_e4m3(tl.math.div_rn(x, scale))
         tl.store(dst + t0 + j, q8.to(tl.uint8, bitcast=True))
         tl.store((dst + R).to(tl.pointer_type(tl.float32)) + t0 // 128, scale)
     k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
@@ -74,7 +76,7 @@ def _rope_append_kernel(
     QPE, KPE, CKV, COS, SIN, KV, SLOTS,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kd, stride_ct, stride_cd,
     stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
-    H, R, block_size, kv_scale,
+    H, R, block_size, num_slots, kv_scale,
     HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     KV_FMT: tl.constexpr,
 ):
@@ -97,7 +99,7 @@ def _rope_append_kernel(
         k = _rotate(tl.load(k_ptr), c, s, 1, HALF, INTERLEAVE).to(KPE.dtype.element_ty)
         tl.store(k_ptr, k)
         slot = tl.load(SLOTS + t)
-        if slot >= 0:
+        if (slot >= 0) & (slot < num_slots):   # unchecked on CUDA: a slot past the pool is skipped
             dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
             if KV_FMT == 2:
                 _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, k, R, d)
@@ -120,6 +122,8 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
         return None
     half = dr // 2
     fmt = kv_fmt(kv_cache)
+    # the kernel reads cos/sin rows at unit stride (their row stride is passed) and slots at unit stride
+    cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     block_h = min(32, triton.next_power_of_2(max(H, 1)))
     grid = (T, triton.cdiv(H, block_h) if H > 0 else 1)
     _rope_append_kernel[grid](
@@ -127,7 +131,7 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        H, r, kv_cache.shape[1], float(kv_scale),
+        H, r, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], float(kv_scale),
         HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
         BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=fmt, num_warps=4,
     )

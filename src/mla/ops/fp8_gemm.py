@@ -35,7 +35,7 @@ import triton.language as tl
 from ._jit import jit, num_sms
 
 __all__ = ["quantize_act_1x128", "fp8_linear", "fp8_linear_triton", "scaled_mm_blockwise", "fp8_bmm", "GemmConfig",
-           "gemm_config", "choose_kernel", "round_to_e4m3", "round_to_bf16"]
+           "gemm_config", "choose_kernel", "round_to_e4m3", "to_e4m3", "nan_if_any", "round_to_bf16"]
 
 GROUP = 128   # columns per activation scale = the weight's block size
 _GROUP = tl.constexpr(GROUP)   # the same, as kernels see it
@@ -54,6 +54,23 @@ def round_to_e4m3(v):
 
 
 @jit
+def to_e4m3(v):
+    """float32 v -> float8e4nv: clamped to +-448 (e4m3fn has no inf: +-inf saturate to +-448) and
+    rounded to the nearest e4m3 value, ties to even (``round_to_e4m3``, so the cast is exact);
+    NaN stays NaN (0x7F), as torch's cast keeps it: a clamp and a cast may turn NaN into a
+    finite value (Triton 3.6's interpreter stores it as 384)."""
+    q = round_to_e4m3(tl.clamp(v, -448.0, 448.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(v != v, 0x7F, q).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@jit
+def nan_if_any(amax, x, axis: tl.constexpr):
+    """amax, or NaN where x holds a NaN along ``axis``: the max of a GPU (and of the interpreter)
+    skips NaN, torch's amax keeps it; a group with a NaN quantizes to NaN, as in the reference."""
+    return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"), amax)
+
+
+@jit
 def round_to_bf16(v):
     """float32 v -> the nearest bfloat16 value (ties to even), as float32 (finite v)."""
     b = v.to(tl.int32, bitcast=True)
@@ -68,9 +85,8 @@ def _act_quant_kernel(X, XQ, XS, M, K, G, stride_x, BLOCK_M: tl.constexpr):
     ok = (m < M)[:, None] & (k < K)[None, :]
     m64 = m.to(tl.int64)
     x = tl.load(X + m64[:, None] * stride_x + k[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
-    tl.store(XQ + m64[:, None] * K + k[None, :], round_to_e4m3(q).to(tl.float8e4nv), mask=ok)
+    scale = nan_if_any(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0), x, 1)
+    tl.store(XQ + m64[:, None] * K + k[None, :], to_e4m3(tl.math.div_rn(x, scale[:, None])), mask=ok)
     tl.store(XS + m64 * G + g, scale, mask=m < M)
 
 

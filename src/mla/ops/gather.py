@@ -5,6 +5,11 @@ Row j of the result belongs to the sequence b with cu_seqlens[b] <= j < cu_seqle
 cache row of token starts[b] + j - cu_seqlens[b] of that sequence:
 kv_cache[block_table[b, tok // block_size], tok % block_size]. One program copies
 BLOCK_T rows, d values each, in BLOCK_D slices. Unused blocks are never read.
+
+On CUDA the index values are unchecked (``mla.ops.gather_latent`` checks them on CPU only:
+reading them would sync the stream), so every index is clamped into its tensor: a wrong
+value gives a wrong row, never a read out of bounds, and rows past cu_seqlens[B] are zeros.
+For valid values the clamps change nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ __all__ = ["gather_latent"]
 
 
 @jit
-def _gather_kernel(KV, BT, STARTS, CU, OUT, num_tokens, B, block_size,
+def _gather_kernel(KV, BT, STARTS, CU, OUT, num_tokens, B, block_size, num_blocks, max_blocks,
                    stride_kvb, stride_kvr, stride_bt, stride_ot,
                    D: tl.constexpr, LOG_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     j = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -32,14 +37,18 @@ def _gather_kernel(KV, BT, STARTS, CU, OUT, num_tokens, B, block_size,
         lo = tl.where(go_up, mid, lo)
         hi = tl.where(go_up, hi, mid - 1)
     b = lo
+    in_seq = j < tl.load(CU + B)          # rows past the last offset (a wrong num_tokens): zeros
     tok = tl.load(STARTS + b, mask=j_ok, other=0) + j - tl.load(CU + b, mask=j_ok, other=0)
-    blk = tl.load(BT + b.to(tl.int64) * stride_bt + tok // block_size, mask=j_ok, other=0)
+    tok = tl.maximum(tok, 0)
+    col = tl.minimum(tok // block_size, max_blocks - 1)
+    blk = tl.load(BT + b.to(tl.int64) * stride_bt + col, mask=j_ok, other=0)
+    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
     src = KV + blk.to(tl.int64) * stride_kvb + (tok % block_size).to(tl.int64) * stride_kvr
     dst = OUT + j.to(tl.int64) * stride_ot
     for d0 in tl.static_range(0, D, BLOCK_D):   # unrolled: every slice's load in flight
         d = d0 + tl.arange(0, BLOCK_D)
         ok = j_ok[:, None] & (d[None, :] < D)
-        x = tl.load(src[:, None] + d[None, :], mask=ok)
+        x = tl.load(src[:, None] + d[None, :], mask=ok & in_seq[:, None], other=0)
         tl.store(dst[:, None] + d[None, :], x, mask=ok)
 
 
@@ -49,15 +58,20 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):
     d = kv_cache.shape[-1]
     out = torch.empty(num_tokens, d, dtype=kv_cache.dtype, device=kv_cache.device)
     B = block_table.shape[0]
-    if num_tokens == 0 or B == 0:
+    if num_tokens == 0:
         return out
+    if B == 0 or block_table.shape[1] == 0 or kv_cache.shape[0] == 0:   # no row to read
+        return out.zero_()
     if kv_cache.stride(-1) != 1:
         kv_cache = kv_cache.contiguous()
+    # the kernel takes the table's row stride only, and reads starts and offsets at unit stride
+    block_table, starts, cu_seqlens = block_table.contiguous(), starts.contiguous(), cu_seqlens.contiguous()
     on_gpu = kv_cache.device.type == "cuda"
     block_t = 32 if on_gpu else 8
     block_d = min(64 if on_gpu else 32, triton.next_power_of_2(d))
     _gather_kernel[(triton.cdiv(num_tokens, block_t),)](
-        kv_cache, block_table, starts, cu_seqlens, out, num_tokens, B, kv_cache.shape[1],
+        kv_cache, block_table, starts, cu_seqlens, out, num_tokens, B, kv_cache.shape[1], kv_cache.shape[0],
+        block_table.shape[1],
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0),
         D=d, LOG_B=(B - 1).bit_length(), BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4)

@@ -60,6 +60,17 @@ def _query_rows(q_row, row_ok, dv, dv_ok, dr, dr_ok, DV):
 
 
 @jit
+def _keep_nan(x, x8, KEEP_NAN: tl.constexpr):
+    """x widened from e4m3 bytes x8, NaN where x8 is e4m3's NaN (0x7F, 0xFF). Only where
+    KEEP_NAN (the interpreter): Triton 3.6's interpreter widens the NaN byte to a finite value,
+    so a NaN token's row would be attended as a large finite one; the GPU's conversion keeps
+    NaN, and its code is unchanged (KEEP_NAN is a constexpr False there)."""
+    if KEEP_NAN:
+        x = tl.where((x8.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x)
+    return x
+
+
+@jit
 def _decode_split_kernel(
     Q, KV, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
@@ -68,7 +79,7 @@ def _decode_split_kernel(
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, DV, DR, block_size, num_splits, qk_scale, v_scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr, KEEP_NAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
@@ -119,15 +130,20 @@ def _decode_split_kernel(
             t = tl.arange(0, BLOCK_DV // 128)         # one float32 scale per 128 latent values
             scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + t[None, :],
                             mask=n_ok[:, None] & (t < DV // 128)[None, :], other=0.0)
-            c = tl.reshape(c8.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, BLOCK_DV // 128, 128])
+            c = _keep_nan(c8.to(tl.float8e4nv, bitcast=True).to(tl.float32), c8, KEEP_NAN)
+            c = tl.reshape(c, [BLOCK_N, BLOCK_DV // 128, 128])
             c_kv = tl.reshape(c * scale[:, :, None], [BLOCK_N, BLOCK_DV]).to(Q.dtype.element_ty)
             k_pe = tl.load((kv_row + DV + 4 * (DV // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] + dr[None, :],
                            mask=n_ok[:, None] & dr_ok[None, :], other=0.0).to(Q.dtype.element_ty)
         else:             # plain rows; FP8 rows (KV_FMT 1) widen exactly, kv_scale is in qk_scale and v_scale
-            c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
-                           other=0.0).to(q_nope.dtype)
-            k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :],
-                           other=0.0).to(q_nope.dtype)
+            c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
+            if KV_FMT == 1:
+                c_kv = _keep_nan(c_kv.to(q_nope.dtype), c_kv, KEEP_NAN)
+                k_pe = _keep_nan(k_pe.to(q_nope.dtype), k_pe, KEEP_NAN)
+            else:
+                c_kv = c_kv.to(q_nope.dtype)
+                k_pe = k_pe.to(q_nope.dtype)
         if IEEE:
             s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
@@ -193,6 +209,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         kv_cache = kv_cache.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # the kernel takes the table's row stride only, and reads lengths at unit stride
+    block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
     dv, dr = head_dim_v, d - head_dim_v
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
@@ -207,7 +225,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
             H, s_q, B, dv, dr, kv_cache.shape[1], S,
             softmax_scale * LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
-            CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt,
+            CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt, KEEP_NAN=fmt != 0 and q.device.type == "cpu",
             PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_B=block_b(B),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -185,6 +185,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()   # read at unit stride
     out = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
     if Tq == 0 or H == 0 or B == 0:

@@ -481,6 +481,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
+    # the kernel takes the table's row stride only, and reads lengths at unit stride
+    block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
     block_size = kv_cache.shape[1]
     if head_dim_v != D_V or d != D_QK or not takes(q, kv_cache):
         raise ValueError("fp8.launch: expected float8_e4m3fn rows of 576 or FP8 tile rows that "

@@ -471,6 +471,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
+    # the kernel takes the table's row stride only, and reads lengths at unit stride
+    block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
     num_blocks, block_size, _ = kv_cache.shape
     if head_dim_v != D_V or d != D_QK or not supports(q, kv_cache, block_size):
         raise ValueError("seesaw.launch: unsupported shapes/dtypes/layout (see common.supports())")
