@@ -64,13 +64,17 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens):
         return out.zero_()
     if kv_cache.stride(-1) != 1:
         kv_cache = kv_cache.contiguous()
+    # a copy of rows as stored: FP8 rows travel as their bytes (Triton has no FP8 constant for
+    # the zeros of masked loads on the GPU)
+    src, dst = (kv_cache.view(torch.uint8), out.view(torch.uint8)) if kv_cache.element_size() == 1 \
+        else (kv_cache, out)
     # the kernel takes the table's row stride only, and reads starts and offsets at unit stride
     block_table, starts, cu_seqlens = block_table.contiguous(), starts.contiguous(), cu_seqlens.contiguous()
     on_gpu = kv_cache.device.type == "cuda"
     block_t = 32 if on_gpu else 8
     block_d = min(64 if on_gpu else 32, triton.next_power_of_2(d))
     _gather_kernel[(triton.cdiv(num_tokens, block_t),)](
-        kv_cache, block_table, starts, cu_seqlens, out, num_tokens, B, kv_cache.shape[1], kv_cache.shape[0],
+        src, block_table, starts, cu_seqlens, dst, num_tokens, B, kv_cache.shape[1], kv_cache.shape[0],
         block_table.shape[1],
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0),
         D=d, LOG_B=(B - 1).bit_length(), BLOCK_T=block_t, BLOCK_D=block_d,
