@@ -7,10 +7,14 @@ The model has DeepSeek-V3's attention (128 heads, q_lora 1536, kv_lora 512, nope
 v 128, hidden 7168) with random bf16 weights, a small dense MLP (intermediate 2048) and a small
 vocabulary, so the attention dominates each step. transformers runs its sdpa attention with a
 static cache where it accepts one (else its dynamic cache, and says so); the patched model runs
-mla on a paged latent cache. Both run eagerly (no CUDA graphs, no torch.compile). Reported:
-decode tokens/s (batch x new tokens over the time of generate less the time of a 1-token
-generate, so the prompt is not counted) and the fraction of generated tokens that agree
-(bf16: greedy paths may part after a near tie).
+mla on a paged latent cache, eagerly. transformers compiles its forward for a static cache
+(its generation default), once per cache shape: every generate is run twice and the second
+one timed, so no compilation is counted. Reported: decode tokens/s (batch x new tokens over the
+time of generate less the time of a 1-token generate, so the prompt is not counted) and the
+fraction of generated tokens that agree. Weights are small enough (std 0.5 / sqrt(fan_in)) that
+attention is not one-hot: with peakier random weights bf16 rounding alone parts greedy paths
+(on CPU at 1.5 / sqrt(fan_in), transformers in bf16 agrees with itself in float32 on 78% of
+tokens).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def build(layers: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+                p.normal_(0, 0.5 / p.shape[1] ** 0.5)
     return model
 
 
@@ -51,10 +55,10 @@ def timed_generate(model, ids, mask, new: int, **kw) -> tuple[float, torch.Tenso
 
 
 def decode_rate(model, ids, mask, new: int, **kw) -> tuple[float, torch.Tensor]:
-    """Decode tokens/s: generate(new) less generate(1) (the prompt and first token)."""
-    timed_generate(model, ids, mask, 2, **kw)                      # warm-up
-    t1, _ = timed_generate(model, ids, mask, 1, **kw)
-    tn, toks = timed_generate(model, ids, mask, new, **kw)
+    """Decode tokens/s: generate(new) less generate(1) (the prompt and first token), each the
+    second of two calls (the first compiles where transformers compiles)."""
+    t1 = [timed_generate(model, ids, mask, 1, **kw)[0] for _ in range(2)][-1]
+    tn, toks = [timed_generate(model, ids, mask, new, **kw) for _ in range(2)][-1]
     return ids.shape[0] * (new - 1) / max(tn - t1, 1e-9), toks
 
 
