@@ -98,6 +98,21 @@ class MLAConfig:
     kv_lora_scale: float = 1.0
     # the layers whose attention is MLA (Kimi Linear interleaves linear-attention layers); None: all
     mla_layers: tuple[int, ...] | None = None
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every visible key
+    # per query token, score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s) * index_head_dim^-0.5) with
+    # w = weights_proj(x) * index_weights_scale, and each query attends to its index_topk best keys
+    # only. index_topk None: dense MLA (the other index_* fields are then unused).
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    # RoPE of the indexer's first qk_rope_head_dim values: neox halves in DeepSeek-V3.2 (False),
+    # interleaved pairs in GLM-5 (True), whatever rope_interleave says for the main attention
+    index_rope_interleave: bool = False
+    index_weights_scale: float | None = None   # None: index_n_heads ** -0.5 (both families)
+    index_k_norm_eps: float = 1e-6             # the indexer's key LayerNorm
+    # GLM-5's indexer_types: the layers that reuse the top-k of the nearest earlier layer with an
+    # indexer ("shared") instead of running their own; empty: every layer runs its indexer
+    index_shared_layers: tuple[int, ...] = ()
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -134,6 +149,49 @@ class MLAConfig:
         if m is not None and (not isinstance(m, tuple)
                               or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in m)):
             raise ValueError(f"mla_layers: expected a tuple of layer indices >= 0 or None, got {m!r}")
+        self._check_indexer()
+
+    def _check_indexer(self) -> None:
+        if self.index_topk is None:
+            return
+        for f in ("index_topk", "index_n_heads", "index_head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{f}: expected a positive int with index_topk set, got {v!r}")
+        if self.q_lora_rank is None:
+            raise ValueError("index_topk: the sparse indexer reads the normed q latent: expected a q_lora_rank")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim: expected >= qk_rope_head_dim ({self.qk_rope_head_dim}: its RoPE part), "
+                             f"got {self.index_head_dim}")
+        if not isinstance(self.index_rope_interleave, bool):
+            raise ValueError(f"index_rope_interleave: expected a bool, got {self.index_rope_interleave!r}")
+        if self.index_weights_scale is None:
+            object.__setattr__(self, "index_weights_scale", self.index_n_heads ** -0.5)
+        for f in ("index_weights_scale", "index_k_norm_eps"):
+            v = getattr(self, f)
+            if not _real(v) or not 0 < v < math.inf:
+                raise ValueError(f"{f}: expected a finite number > 0, got {v!r}")
+        s = self.index_shared_layers
+        if not isinstance(s, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in s):
+            raise ValueError(f"index_shared_layers: expected a tuple of layer indices > 0 (layer 0 runs its "
+                             f"indexer), got {s!r}")
+
+    @property
+    def has_indexer(self) -> bool:
+        """Whether the attention is sparse (DeepSeek Sparse Attention)."""
+        return self.index_topk is not None
+
+    @property
+    def index_softmax_scale(self) -> float:
+        """The scale of q . k inside the indexer's relu: index_head_dim^-0.5."""
+        return self.index_head_dim ** -0.5
+
+    def index_source_layer(self, layer_idx: int) -> int:
+        """The layer whose top-k selection ``layer_idx`` attends with: itself, or for a GLM-5
+        "shared" layer the nearest earlier layer that runs its indexer."""
+        while layer_idx in self.index_shared_layers:
+            layer_idx -= 1
+        return layer_idx
 
     # Derived sizes.
     @property
@@ -162,7 +220,7 @@ class MLAConfig:
         """From a config.json dict or a transformers PretrainedConfig of an MLA family (see
         FAMILIES). Raises ValueError for a config without MLA fields or with invalid values, and
         NotImplementedError naming the feature and the model_type for what the library does not
-        implement (a sparse indexer, an output gate, attention sinks, a RoPE type)."""
+        implement (a sparse indexer outside DeepSeek-V3.2 and GLM-5, an output gate, attention sinks, a RoPE type)."""
         if hasattr(hf_config, "to_dict"):
             hf_config = hf_config.to_dict()
         if not isinstance(hf_config, Mapping):
@@ -178,8 +236,8 @@ class MLAConfig:
         if missing:
             raise ValueError(f"hf_config: expected MLA fields {missing} (an MLA family's config), "
                              f"got model_type {model_type!r} without them")
-        _refuse_unimplemented(c, model_type)
         family = FAMILIES.get(model_type, {})
+        _refuse_unimplemented(c, model_type, _INDEXER_KEYS if family.get("indexer") else ())
         rope = _rope_parameters(c)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
@@ -213,7 +271,8 @@ class MLAConfig:
             rope_scaling=scaling, rope_type="none" if rope_type == "none" else None, rope_interleave=interleave,
             attention_bias=_flag("attention_bias", c.get("attention_bias", False)),
             temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
-            mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False)), **scales,
+            mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False), bool(family.get("indexer"))),
+            **scales, **(_indexer(c, model_type, family["indexer"]) if family.get("indexer") else {}),
             name=str(c.get("_name_or_path") or model_type))
 
     @classmethod
@@ -237,12 +296,13 @@ FAMILIES: dict[str, dict] = {
     "minicpm3": {"interleave": False},
     "longcat_flash": {"interleave": True, "latent_scales": True},
     "kimi_linear": {"nope": True, "kimi_layers": True},
+    # DeepSeek Sparse Attention: the main attention always interleaved; indexer: its RoPE pairing
+    "deepseek_v32": {"interleave": True, "indexer": "neox"},
+    "glm_moe_dsa": {"interleave": True, "indexer": "interleave"},
 }
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
 REFUSED: dict[str, str] = {
-    "deepseek_v32": "the sparse indexer (DeepSeek Sparse Attention, index_topk)",
-    "glm_moe_dsa": "the sparse indexer (DeepSeek Sparse Attention, index_topk)",
     "glm5_next": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
     "glm5_next_text": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
     "hy_v4": "the sigmoid output gate (gate_proj), attention sinks and the sparse indexer",
@@ -262,13 +322,17 @@ _UNIMPLEMENTED_KEYS = {
     "sliding_window": "sliding-window attention",
 }
 
+# the sparse indexer's keys: read by the families with an indexer, refused elsewhere
+_INDEXER_KEYS = ("index_topk", "index_n_heads", "indexer_types")
+
 # layer_types entries that are MLA layers this library serves
 _MLA_LAYER_TYPES = ("full_attention", "attention", "mla")
+_SPARSE_LAYER_TYPE = "deepseek_sparse_attention"    # DeepSeek-V3.2 / GLM-5: MLA with the indexer
 
 
-def _refuse_unimplemented(c: dict, model_type: str) -> None:
+def _refuse_unimplemented(c: dict, model_type: str, read: tuple[str, ...] = ()) -> None:
     for key, feature in _UNIMPLEMENTED_KEYS.items():
-        if c.get(key) is not None:
+        if key not in read and c.get(key) is not None:
             raise NotImplementedError(f"{key}: mla does not implement {feature} (model_type {model_type!r})")
     rope = _rope_parameters(c)
     for key in ("short_factor", "long_factor"):
@@ -339,7 +403,30 @@ def _temperature(c: dict, rope: dict) -> tuple[float | None, float]:
             _number("llama_4_scaling.beta", llama4.get("beta", 0.1)))
 
 
-def _mla_layers(c: dict, model_type: str, kimi: bool) -> tuple[int, ...] | None:
+def _indexer(c: dict, model_type: str, pairing: str) -> dict:
+    """The indexer fields of a DeepSeek Sparse Attention family. GLM-5's indexer_types marks
+    the layers that reuse an earlier layer's top-k ("shared") instead of running their own."""
+    out = {}
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        v = c.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{key}: expected a positive int for {model_type!r}'s sparse indexer, got {v!r}"[:200])
+        out[key] = v
+    if c.get("q_lora_rank") is None:
+        raise NotImplementedError(f"q_lora_rank: a sparse indexer without a q latent (model_type {model_type!r})")
+    types = c.get("indexer_types")
+    shared: tuple[int, ...] = ()
+    if types is not None:
+        if not isinstance(types, (list, tuple)) or not all(t in ("full", "shared") for t in types):
+            raise ValueError(f"indexer_types: expected a list of 'full' and 'shared', got {types!r}"[:200])
+        if types and types[0] != "full":
+            raise ValueError("indexer_types: expected layer 0 to be 'full' (a shared layer reuses an earlier "
+                             f"layer's top-k), got {types[0]!r}")
+        shared = tuple(i for i, t in enumerate(types) if t == "shared")
+    return dict(out, index_rope_interleave=pairing == "interleave", index_shared_layers=shared)
+
+
+def _mla_layers(c: dict, model_type: str, kimi: bool, sparse: bool = False) -> tuple[int, ...] | None:
     """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear).
     Kimi Linear's config.json lists them (from 1) in linear_attn_config.full_attn_layers; without
     either, transformers makes layer i full attention where i > 0 and i % 4 == 0."""
@@ -359,10 +446,11 @@ def _mla_layers(c: dict, model_type: str, kimi: bool) -> tuple[int, ...] | None:
         return None
     if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
         raise ValueError(f"layer_types: expected a list of strings, got {types!r}"[:200])
-    unknown = sorted(set(types) - set(_MLA_LAYER_TYPES) - {"linear_attention"})
+    mla_types = _MLA_LAYER_TYPES + ((_SPARSE_LAYER_TYPE,) if sparse else ())
+    unknown = sorted(set(types) - set(mla_types) - {"linear_attention"})
     if unknown:
         raise NotImplementedError(f"layer_types: mla does not implement {unknown} layers (model_type {model_type!r})")
-    layers = tuple(i for i, t in enumerate(types) if t in _MLA_LAYER_TYPES)
+    layers = tuple(i for i, t in enumerate(types) if t in mla_types)
     return None if len(layers) == len(types) else layers
 
 

@@ -23,8 +23,10 @@ __all__ = ["hf_weight_shapes", "read_hf_weights", "split_kv_b", "dequant_block_f
 FP8_BLOCK = 128
 
 
-def hf_weight_shapes(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shape of every tensor of one attention layer, by HF name (no prefix)."""
+def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every tensor of one attention layer, by HF name (no prefix). With a
+    sparse indexer (DeepSeek-V3.2, GLM-5) the layer's ``indexer.*`` tensors too, unless the layer
+    reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer)."""
     H, D = cfg.num_heads, cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {}
     if cfg.q_lora_rank is None:
@@ -42,6 +44,13 @@ def hf_weight_shapes(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
             shapes["q_a_proj.bias"] = (cfg.q_lora_rank,)
         shapes["kv_a_proj_with_mqa.bias"] = (cfg.kv_dim,)
         shapes["o_proj.bias"] = (D,)
+    if cfg.has_indexer and layer_idx not in cfg.index_shared_layers:
+        n, d = cfg.index_n_heads, cfg.index_head_dim
+        shapes["indexer.wq_b.weight"] = (n * d, cfg.q_lora_rank)   # reads the normed q latent
+        shapes["indexer.wk.weight"] = (d, D)
+        shapes["indexer.k_norm.weight"] = (d,)                     # a LayerNorm: weight and bias
+        shapes["indexer.k_norm.bias"] = (d,)
+        shapes["indexer.weights_proj.weight"] = (n, D)
     return shapes
 
 
@@ -96,7 +105,7 @@ def quantize_checkpoint_fp8(sd: dict[str, torch.Tensor], ue8m0: bool = False) ->
 
 
 def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str = "",
-                    keep_fp8: Collection[str] = (), strict: bool = True
+                    keep_fp8: Collection[str] = (), strict: bool = True, layer_idx: int = 0
                     ) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """Every tensor of one layer from a state dict, checked and dequantized (float32 where FP8),
     except the names in ``keep_fp8`` stored as float8_e4m3fn: those come as they are stored,
@@ -109,7 +118,7 @@ def read_hf_weights(cfg: MLAConfig, sd: Mapping[str, torch.Tensor], prefix: str 
     anything is loaded. ``strict=False`` skips such extras on purpose.
     """
     out, used = {}, set()
-    for name, shape in hf_weight_shapes(cfg).items():
+    for name, shape in hf_weight_shapes(cfg, layer_idx).items():
         key = prefix + name
         if key not in sd:
             raise ValueError(f"state dict: expected tensor {key!r} of shape {shape}, it is missing")

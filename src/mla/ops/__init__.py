@@ -339,3 +339,9 @@ def fp8_bmm(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):
     check_act(x, "[H, T, K]")
     out_dtype = check_fp8_weight(x, weight, weight_scale_inv, out_dtype)
     return _impl("fp8_bmm", backend, x.device)(x, weight, weight_scale_inv, out_dtype)
+
+
+# Sparse MLA (DeepSeek Sparse Attention): their own module, imported last (it uses resolve_backend)
+from .sparse import indexer_logits, sparse_mla_decode, sparse_prefill_attention, topk_indices  # noqa: E402
+
+__all__ += ["indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]

@@ -16,7 +16,8 @@ from ..quant import cache_format, dequantize_rows, quantize_rows
 from ..rope import apply_rope
 
 __all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
-           "quantize_act_1x128", "fp8_linear", "fp8_bmm"]
+           "quantize_act_1x128", "fp8_linear", "fp8_bmm",
+           "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 
 
 def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
@@ -227,3 +228,99 @@ def fp8_bmm(x, weight, weight_scale_inv, out_dtype):
     """fp8_linear per batch entry h: x [H, T, K], weight [H, N, K] float8_e4m3fn,
     weight_scale_inv [H, ceil(N/128), ceil(K/128)] float32 -> [H, T, N] in out_dtype."""
     return fp8_linear(x, weight, weight_scale_inv, out_dtype)   # its math broadcasts over H
+
+
+# ---------------------------------------------------------------- sparse MLA (DeepSeek Sparse Attention)
+def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
+                   causal=True):
+    """The lightning indexer's scores of every key a query sees, over a paged key cache.
+
+    q [Tq, n_heads, d] (RoPE applied), packed by sequence (cu_seqlens_q [B + 1] int32);
+    weights [Tq, n_heads] float32 (the head weights, scaled); index_cache [num_blocks,
+    block_size, d]; block_table [B, max_blocks] int32; cache_seqlens [B] int32 keys of each
+    sequence, including its queries. Returns logits [Tq, max_seqlen_k] float32:
+    logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s] * softmax_scale) where query i of
+    a sequence with nq queries sees key s (causal: s < cache_seqlens - nq + i + 1), -inf elsewhere.
+    """
+    Tq, n_heads, _ = q.shape
+    out = torch.full((Tq, max_seqlen_k), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, lengths = cu_seqlens_q.tolist(), cache_seqlens.tolist()
+    for b in range(len(lengths)):
+        q0, q1, n = cq[b], cq[b + 1], int(lengths[b])
+        if q1 == q0 or n <= 0:
+            continue
+        k = gather_rows(index_cache, block_table[b], n).float()                       # [n, d]
+        qb, wb = q[q0:q1].float(), weights[q0:q1].float()
+        logits = torch.zeros(q1 - q0, n, dtype=torch.float32, device=q.device)
+        for h in range(n_heads):   # one head at a time: never an [nq, n_heads, n] intermediate
+            logits += wb[:, h, None] * torch.relu((qb[:, h] @ k.T) * softmax_scale)
+        visible = decode_visible(n, q1 - q0, causal, q.device)
+        out[q0:q1, :n] = logits.masked_fill(~visible, float("-inf"))
+    return out
+
+
+def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
+    """The ``topk`` best keys of every query as flat cache slots (FlashMLA's sparse ``indices``).
+
+    logits [Tq, K] float32 (-inf: a key the query does not see), rows packed by sequence
+    (cu_seqlens_q [B + 1] int32); key s of sequence b lives at slot
+    block_table[b, s // block_size] * block_size + s % block_size. Returns [Tq, topk] int32,
+    best first; ties go to the lower key index (a stable sort), so the selection is
+    deterministic; a query that sees fewer than topk keys gets all of them, then -1.
+    """
+    Tq, K = logits.shape
+    out = torch.full((Tq, topk), -1, dtype=torch.int32, device=logits.device)
+    k = min(topk, K)
+    if Tq == 0 or k == 0:
+        return out
+    values, pos = torch.sort(logits, dim=-1, descending=True, stable=True)
+    values, pos = values[:, :k], pos[:, :k]
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=logits.device), counts)   # [Tq]
+    col = (pos // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    slots = block_table.long()[seq[:, None], col] * block_size + pos % block_size
+    out[:, :k] = torch.where(torch.isneginf(values), -1, slots).to(torch.int32)
+    return out
+
+
+def _sparse_attend(q, rows, valid, head_dim_v, softmax_scale):
+    """q [N, H, d], rows [N, topk, d] float32, valid [N, topk] bool -> out [N, H, head_dim_v]
+    float32, lse [N, H] float32: softmax over each query's valid rows (invalid rows weigh 0,
+    whatever they hold)."""
+    rows = torch.where(valid[..., None], rows, 0.0)
+    scores = (q.float() @ rows.transpose(1, 2)) * softmax_scale                      # [N, H, topk]
+    return softmax_attend(scores, valid[:, None, :], rows[..., :head_dim_v])
+
+
+def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale=1.0):
+    """Absorbed MLA attention of each query over the cache rows its ``indices`` name.
+
+    q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d] (plain, or FP8 rows: see mla_decode);
+    indices [B, s_q, topk] int32 flat slots (block * block_size + offset), -1 = none. Values
+    are the first head_dim_v values of each row. Returns out [B, s_q, H, head_dim_v] (q.dtype)
+    and lse [B, s_q, H] float32; a query with no index gets out 0, lse -inf.
+    """
+    B, s_q, H, d = q.shape
+    topk = indices.shape[-1]
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    idx = indices.reshape(B * s_q, topk).long()
+    valid = idx >= 0
+    stored = flat[idx.clamp(min=0).flatten()]
+    rows = dequantize_rows(stored, cache_format(kv_cache), head_dim_v, torch.float32, kv_scale)
+    out, lse = _sparse_attend(q.reshape(B * s_q, H, d), rows.view(B * s_q, topk, d), valid, head_dim_v,
+                              softmax_scale)
+    return out.view(B, s_q, H, head_dim_v).to(q.dtype), lse.view(B, s_q, H)
+
+
+def sparse_prefill_attention(q, kv, indices, sm_scale, d_v):
+    """FlashMLA's ``flash_mla_sparse_fwd``: q [s_q, H, d], kv [s_kv, 1, d], indices
+    [s_q, 1, topk] int32 rows of kv (-1 = none); values are the first d_v values of each row.
+    Returns out [s_q, H, d_v] (q.dtype) and lse [s_q, H] float32 (natural log; out 0 and
+    lse -inf for a query with no index)."""
+    s_q, H, d = q.shape
+    idx = indices[:, 0].long()
+    valid = idx >= 0
+    src = kv[:, 0].float() if kv.shape[0] else kv.new_zeros(1, d, dtype=torch.float32)   # s_kv = 0: all -1
+    rows = src[idx.clamp(min=0)]                                                     # [s_q, topk, d]
+    out, lse = _sparse_attend(q, rows, valid, d_v, sm_scale)
+    return out.to(q.dtype), lse

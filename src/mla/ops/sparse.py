@@ -1,0 +1,176 @@
+"""Sparse MLA ops (DeepSeek Sparse Attention): the lightning indexer's logits, their top-k,
+and attention over the selected keys, in FlashMLA's conventions: ``indices`` are flat cache
+slots (block * block_size + offset) or rows of a contiguous kv, -1 = none.
+
+    logits  = indexer_logits(q_idx, w, index_cache, block_table, seqlens, cu_seqlens_q, K, scale)
+    indices = topk_indices(logits, topk, block_table, cu_seqlens_q, block_size)   # [Tq, topk] slots
+    out, lse = sparse_mla_decode(q [B, s_q, H, r + dr], kv_cache, indices [B, s_q, topk], r, scale)
+
+These ops have no GPU kernels yet: the reference (``mla.ops.reference``) serves every
+backend, as it serves any input a kernel does not take. Validation follows the dense ops:
+``ValueError`` naming the argument, values checked on CPU tensors only (on CUDA reading them
+back would sync the stream).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import quant
+from . import reference, resolve_backend
+from ._checks import FLOAT, as_float, check, check_flag, check_int, check_int_vector, check_paged_values, dense, \
+    describe, host_offsets
+
+__all__ = ["indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
+
+
+def _check_indices(name: str, indices: torch.Tensor, shape: tuple, limit: int, device) -> None:
+    check(isinstance(indices, torch.Tensor) and indices.dim() == len(shape) and indices.dtype == torch.int32
+          and tuple(indices.shape[:-1]) == shape[:-1],
+          f"{name}: expected int32 [{', '.join(map(str, shape))}], got {describe(indices)}")
+    check(indices.device == device, f"{name}: expected device {device}, got {indices.device}")
+    if indices.device.type == "cpu" and indices.numel():
+        bad = ((indices < -1) | (indices >= limit)).nonzero()
+        if bad.shape[0]:
+            at = tuple(bad[0].tolist())
+            raise ValueError(f"{name}: expected -1 (none) or indices in [0, {limit}), got {indices[at].item()} "
+                             f"at {list(at)}")
+
+
+def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
+                   causal=True, *, backend=None):
+    """The indexer's score of every key each query sees (paged keys, packed varlen queries).
+
+    q:             [Tq, n_heads, d] float16/bfloat16/float32, the indexer's queries (RoPE applied),
+                   rows of sequence b at cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+    weights:       [Tq, n_heads] float32, the head weights (weights_proj(x) * index_weights_scale)
+    index_cache:   [num_blocks, block_size, d] float, the indexer's keys (``PagedLatentCache.index_keys``)
+    block_table:   [B, max_blocks] int32; cache_seqlens [B] int32, keys of each sequence including
+                   its queries; cu_seqlens_q [B + 1] int32
+    max_seqlen_k:  int >= every cache_seqlens, the width of the result
+    softmax_scale: the scale of q . k inside the relu (index_head_dim^-0.5)
+    causal:        query i of nq sees keys < cache_seqlens - nq + i + 1; else all of its sequence's
+    Returns logits [Tq, max_seqlen_k] float32: sum_h weights[t, h] * relu(q[t, h] . k[s] * scale)
+    for the keys a query sees, -inf elsewhere.
+    """
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT,
+          f"q: expected float [Tq, n_heads, d], got {describe(q)}")
+    Tq, n_heads, d = q.shape
+    check(isinstance(weights, torch.Tensor) and tuple(weights.shape) == (Tq, n_heads)
+          and weights.dtype == torch.float32, f"weights: expected float32 [{Tq}, {n_heads}], got {describe(weights)}")
+    check(isinstance(index_cache, torch.Tensor) and index_cache.dim() == 3 and index_cache.shape[-1] == d
+          and index_cache.dtype in FLOAT,
+          f"index_cache: expected float [num_blocks, block_size, {d}], got {describe(index_cache)}")
+    check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
+          f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+    B = block_table.shape[0]
+    for name, t in (("weights", weights), ("index_cache", index_cache), ("block_table", block_table)):
+        check(t.device == q.device, f"{name}: expected device {q.device}, got {t.device}")
+    check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
+    check_int_vector("cu_seqlens_q", cu_seqlens_q, B + 1, q.device)
+    check_int("max_seqlen_k", max_seqlen_k, 0)
+    check_flag("causal", causal)
+    softmax_scale = as_float("softmax_scale", softmax_scale)
+    check_paged_values(block_table, cache_seqlens, index_cache.shape[0], index_cache.shape[1])
+    if q.device.type == "cpu":
+        cq = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", Tq, "offsets_q", None)
+        for b, n in enumerate(cache_seqlens.tolist()):
+            check(n <= max_seqlen_k, f"max_seqlen_k: expected >= every cache_seqlens, got {max_seqlen_k} "
+                                     f"< {n} (sequence {b})")
+            check(not causal or cq[b + 1] - cq[b] <= n,
+                  f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} queries "
+                  f"(causal), got {n} for sequence {b}")
+    resolve_backend(backend, q.device)
+    return reference.indexer_logits(q, weights, index_cache, dense(block_table), dense(cache_seqlens),
+                                    dense(cu_seqlens_q), max_seqlen_k, softmax_scale, causal)
+
+
+def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend=None):
+    """The ``topk`` best keys of each query as flat cache slots, FlashMLA's sparse ``indices``.
+
+    logits:       [Tq, K] float32, -inf for keys a query does not see (``indexer_logits``)
+    topk:         int >= 1
+    block_table:  [B, max_blocks] int32; key s of sequence b is at slot
+                  block_table[b, s // block_size] * block_size + s % block_size
+    cu_seqlens_q: [B + 1] int32, the rows of each sequence in logits
+    Returns [Tq, topk] int32, best first, -1 after the last key a query sees. Ties go to the
+    lower key index, so the selection is deterministic; a query that sees at most topk keys
+    gets all of them.
+    """
+    check(isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32,
+          f"logits: expected float32 [Tq, K], got {describe(logits)}")
+    check_int("topk", topk, 1)
+    check_int("block_size", block_size, 1)
+    check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
+          f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+    check(block_table.device == logits.device, f"block_table: expected device {logits.device}, got {block_table.device}")
+    B = block_table.shape[0]
+    check_int_vector("cu_seqlens_q", cu_seqlens_q, B + 1, logits.device)
+    if logits.device.type == "cpu":
+        host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", logits.shape[0], "offsets_q", None)
+        check(block_table.shape[1] * block_size >= logits.shape[1] or logits.shape[0] == 0,
+              f"block_table: expected room for K = {logits.shape[1]} keys (max_blocks * block_size), got "
+              f"{block_table.shape[1]} x {block_size}")
+    resolve_backend(backend, logits.device)
+    return reference.topk_indices(logits, topk, dense(block_table), dense(cu_seqlens_q), block_size)
+
+
+def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_scale=1.0, backend=None):
+    """Absorbed MLA attention over the cache rows each query's ``indices`` name
+    (``flash_mla_with_kvcache(..., indices=...)``): no block table, no lengths, no causal mask:
+    the indices are the keys.
+
+    q:          [B, s_q, H, d] float16/bfloat16/float32, d = kv_lora_rank + qk_rope_head_dim
+    kv_cache:   [num_blocks, block_size, d] (or [num_blocks, block_size, 1, d]) in q's dtype, or
+                FP8 rows as in ``mla_decode`` (float8_e4m3fn with kv_scale, uint8 tile rows)
+    indices:    [B, s_q, topk] int32 flat slots block * block_size + offset, -1 = none
+    head_dim_v: values are the first head_dim_v (= kv_lora_rank) entries of each row
+    Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32 (a query with
+    no index: out 0, lse -inf).
+    """
+    check(isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in FLOAT,
+          f"q: expected float [B, s_q, H, d], got {describe(q)}")
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
+        check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    B, s_q, H, d = q.shape
+    check_int("head_dim_v", head_dim_v, 1, d)
+    check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
+    fmt = quant.cache_format(kv_cache)
+    width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
+    check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
+          f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
+    check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+    check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
+          f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
+    check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
+    check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
+          f"indices: expected int32 [{B}, {s_q}, topk], got {describe(indices)}")
+    _check_indices("indices", indices, (B, s_q, indices.shape[-1]), kv_cache.shape[0] * kv_cache.shape[1], q.device)
+    softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
+    resolve_backend(backend, q.device)
+    return reference.sparse_mla_decode(q, kv_cache, dense(indices), head_dim_v, softmax_scale, kv_scale)
+
+
+def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, backend=None):
+    """Sparse attention of packed queries over a contiguous latent kv (``flash_mla_sparse_fwd``).
+
+    q:       [s_q, H, d] float16/bfloat16/float32 (absorbed queries, d = kv_lora_rank + qk_rope_head_dim)
+    kv:      [s_kv, 1, d] in q's dtype (the latent rows, one KV head)
+    indices: [s_q, 1, topk] int32 rows of kv, -1 = none
+    d_v:     values are the first d_v entries of each row
+    Returns out [s_q, H, d_v] in q's dtype and lse [s_q, H] float32, natural log (FlashMLA also
+    returns the max logits; a query with no index: out 0, lse -inf).
+    """
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT,
+          f"q: expected float [s_q, H, d], got {describe(q)}")
+    s_q, H, d = q.shape
+    check(isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1:] == (1, d) and kv.dtype == q.dtype,
+          f"kv: expected {q.dtype} [s_kv, 1, {d}], got {describe(kv)}")
+    check(kv.device == q.device, f"kv: expected device {q.device}, got {kv.device}")
+    check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
+          f"indices: expected int32 [{s_q}, 1, topk], got {describe(indices)}")
+    _check_indices("indices", indices, (s_q, 1, indices.shape[-1]), kv.shape[0], q.device)
+    check_int("d_v", d_v, 1, d)
+    sm_scale = as_float("sm_scale", sm_scale)
+    resolve_backend(backend, q.device)
+    return reference.sparse_prefill_attention(q, kv, dense(indices), sm_scale, d_v)
