@@ -146,6 +146,24 @@ EXACT = {
 }
 
 
+# Sparse MLA (DeepSeek Sparse Attention): exact past index_topk (tests/test_sparse.py). index_topk 8
+# under prompts of up to 40 tokens; 8 indexer heads, so that a key scores exactly 0 (every head's
+# relu 0) rarely enough that the top-k boundary never falls on a tie at these seeds.
+_DSA = dict(index_topk=8, index_n_heads=8, index_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+            first_k_dense_replace=1)
+SPARSE = {
+    # DeepSeek-V3.2: neox pairs in the indexer, interleaved in the attention; YaRN with a cos/sin scale
+    "deepseek_v32": Case("deepseek_v32", "deepseek_v32", "DeepseekV32Config", "DeepseekV32Attention",
+                         "DeepseekV32RotaryEmbedding",
+                         dict(rope_parameters=_yarn(orig=16, mscale=0.707, mscale_all_dim=1.0), n_group=1,
+                              topk_group=1, **_DSA)),
+    # GLM-5: interleaved pairs in the indexer too; 3 heads, v_head_dim != qk_nope_head_dim
+    "glm_moe_dsa": Case("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaAttention",
+                        "GlmMoeDsaRotaryEmbedding",
+                        dict(rope_parameters=_default(), num_attention_heads=3, v_head_dim=24, **_DSA)),
+}
+
+
 def attention_class(case: Case):
     return _cls(case.module, case.attention_cls)
 
@@ -156,7 +174,7 @@ def make_attention(case: Case, hf_config, seed: int):
     g = torch.Generator().manual_seed(seed)
     attn = attention_class(case)(hf_config, case.layer_idx).float().eval()
     for name, p in attn.named_parameters():
-        if name.endswith("layernorm.weight"):
+        if name.endswith("layernorm.weight") or (name.endswith("norm.weight") and p.dim() == 1):
             p.copy_(0.5 + torch.rand(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.5 * torch.randn(p.shape, generator=g))
@@ -185,7 +203,7 @@ def reference(case: Case, attn, rotary, hidden: torch.Tensor) -> torch.Tensor:
         kw["position_embeddings"] = rotary(x, pos)
     if case.needs_position_ids:
         kw["position_ids"] = pos
-    out, _ = attn(x, **kw)
+    out = attn(x, **kw)[0]     # GLM-5's module also returns its top-k
     return out[0]
 
 
@@ -218,7 +236,7 @@ class FamilyHarness:
 
     def __init__(self, case_name: str, dtype=torch.float32, *, block_size=4, num_blocks=64, seed=0,
                  source="object", max_workspace_tokens=None, config_overrides=None, strategy=None):
-        self.case = case = EXACT[case_name]
+        self.case = case = EXACT[case_name] if case_name in EXACT else SPARSE[case_name]
         self.hf_cfg = case.make_config(**(config_overrides or {}))
         self.cfg = mla.MLAConfig.from_hf(config_source(self.hf_cfg, source))
         self.dtype = dtype
@@ -308,15 +326,6 @@ class FamilyHarness:
 # NotImplementedError message must name at least one, besides the model_type).
 
 REFUSED = {
-    "deepseek_v32": ("deepseek_v32", "DeepseekV32Config",
-                     dict(_BASE, num_key_value_heads=4, index_topk=8, index_head_dim=16, index_n_heads=2,
-                          head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                          first_k_dense_replace=1),
-                     ("index",)),
-    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaConfig",
-                    dict(_BASE, num_key_value_heads=4, index_topk=8, index_head_dim=16, index_n_heads=2,
-                         head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1),
-                    ("index",)),
     "glm5_next_text": ("glm5_next", "Glm5NextTextConfig",
                        dict(_BASE, num_key_value_heads=4, qk_rope_head_dim=0, head_dim=0, qk_nope_head_dim=16,
                             index_topk=32, index_head_dim=16, index_n_heads=2, n_routed_experts=4,

@@ -200,8 +200,9 @@ def test_refuses_what_it_cannot_serve():
 
 @pytest.mark.parametrize("name", ["deepseek_v32", "hy_v4"])
 def test_refused_family(name):
-    """A family from_hf refuses is refused by patch, naming the model_type, before any change."""
-    cfg = F.make_refused_config(name)
+    """A family from_hf refuses, or whose sparse indexer patch does not drive, is refused by
+    patch, naming the model_type, before any change."""
+    cfg = F.SPARSE[name].make_config() if name in F.SPARSE else F.make_refused_config(name)
     model = torch.nn.Module()
     model.config = cfg
     with pytest.raises(NotImplementedError, match=cfg.model_type):

@@ -57,3 +57,12 @@ class Batch:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+    def remember(self, key: Hashable, value: Any) -> None:
+        """Store per-step data a later layer reads (a sparse layer's top-k for GLM-5's shared
+        layers), replacing what the key held."""
+        self._memo[key] = value
+
+    def recall(self, key: Hashable) -> Any:
+        """What ``remember`` stored under key, or None."""
+        return self._memo.get(key)

@@ -2,7 +2,10 @@
 
 Each token keeps one row [c_kv | rope(k_pe)] of kv_lora_rank + qk_rope_head_dim values
 per layer. Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns
-an ordered list of blocks. Blocks carry reference counts: ``fork`` shares every block of
+an ordered list of blocks. With a sparse indexer (DeepSeek Sparse Attention) each token also
+keeps the indexer's key, ``index_kv [num_layers, num_blocks, block_size, index_head_dim]``,
+at the same block and offset as its latent row: the bookkeeping below (fork, truncate,
+copy-on-write, release) moves block ids, so it carries both. Blocks carry reference counts: ``fork`` shares every block of
 the source, and the first write into a shared, partly filled block copies it first
 (copy-on-write), so full shared blocks are never copied.
 
@@ -78,6 +81,11 @@ class PagedLatentCache:
         width = quant.row_width(self.format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         shape = (num_layers, num_blocks, block_size, width)
         self.kv = _allocate(shape, quant.storage_dtype(self.format, dtype), self.device)
+        # the indexer's keys in the cache's dtype, or bfloat16 beside FP8 rows (transformers keeps
+        # them in the model's dtype; DeepSeek's FP8 indexer cache is not implemented)
+        self.index_dtype = dtype if self.format == "plain" else torch.bfloat16
+        self.index_kv = None if not cfg.has_indexer else _allocate(
+            (num_layers, num_blocks, block_size, cfg.index_head_dim), self.index_dtype, self.device)
         self.device = self.kv.device    # "cuda" -> "cuda:0": compared with the layer's device
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
@@ -98,6 +106,15 @@ class PagedLatentCache:
         if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected 0..{self.num_layers - 1}, got {layer_idx}")
         return self.kv[layer_idx]
+
+    def index_keys(self, layer_idx: int) -> torch.Tensor:
+        """The indexer's keys of one layer: [num_blocks, block_size, index_head_dim], slot for slot
+        beside ``layer(layer_idx)``'s latent rows (a config with a sparse indexer only)."""
+        if self.index_kv is None:
+            raise ValueError(f"layer_idx: the cache of {self.cfg.name!r} has no indexer keys (its config has no "
+                             "index_topk)")
+        self.layer(layer_idx)   # checks layer_idx
+        return self.index_kv[layer_idx]
 
     def length(self, seq_id: Hashable) -> int:
         self._require(seq_id, "seq_id")
@@ -289,6 +306,8 @@ class PagedLatentCache:
     def _copy_block(self, b: int) -> int:
         new = self._alloc()
         self.kv[:, new].copy_(self.kv[:, b])
+        if self.index_kv is not None:
+            self.index_kv[:, new].copy_(self.index_kv[:, b])
         self._unref(b)
         return new
 

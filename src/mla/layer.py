@@ -12,7 +12,8 @@ One step, for the T new tokens of a batch:
     q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
     c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
-    per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py)
+    per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
+    or with a sparse indexer past index_topk keys: the indexer's top-k keys only (sparse.py)
     out          = o_proj(attn [T, H * dv])
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import absorbed, expanded, ops
+from . import absorbed, expanded, ops, sparse
 from .batch import Batch
 from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
@@ -69,6 +70,12 @@ class MLA(nn.Module):
                              f"{list(cfg.mla_layers)})")
         if strategy is not None and strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES} or None, got {strategy!r}")
+        if strategy == "sparse" and not cfg.has_indexer:
+            raise ValueError(f"strategy: 'sparse' needs a config with a sparse indexer (index_topk), {cfg.name!r} "
+                             "has none")
+        if cfg.has_indexer and parallel is not None and parallel.cp_size > 1:
+            raise ValueError(f"parallel: cp_size {parallel.cp_size} with a sparse indexer: Helix CP of sparse MLA "
+                             "(a top-k over every rank's keys) is not implemented; expected cp_size 1")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if parallel is not None:
@@ -107,6 +114,16 @@ class MLA(nn.Module):
         self.register_buffer("w_q_b_scale", None, persistent=False)
         self.register_buffer("w_o_scale", None, persistent=False)
         self.register_buffer("inv_freq", inv_freq(cfg).to(device), persistent=False)
+        # the lightning indexer (sparse.py), replicated on every TP rank so that all select alike;
+        # GLM-5's shared layers have none (they reuse an earlier layer's top-k)
+        self.has_own_indexer = cfg.has_indexer and layer_idx not in cfg.index_shared_layers
+        if self.has_own_indexer:
+            n, d = cfg.index_n_heads, cfg.index_head_dim
+            self.w_idx_q = param(n * d, cfg.q_lora_rank)
+            self.w_idx_k = param(d, D)
+            self.idx_k_norm_w = param(d)
+            self.idx_k_norm_b = param(d)
+            self.w_idx_w = param(n, D)
         self.loaded = False
 
     # W_UK [H, dn, r] and W_UV [H, dv, r]: views of kv_b_proj, derived once by weights.split_kv_b
@@ -139,7 +156,8 @@ class MLA(nn.Module):
         lite = self.cfg.q_lora_rank is None
         fp8_names = ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",))
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
-        w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else (), strict=bool(strict))
+        w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else (), strict=bool(strict),
+                            layer_idx=self.layer_idx)
         kept = dict.fromkeys(fp8_names)      # name -> this rank's (e4m3 weight, scales), or None
         for name in fp8_names:
             if isinstance(w[name], tuple):   # stored as e4m3 and asked for as such
@@ -159,6 +177,11 @@ class MLA(nn.Module):
         self._set_weight("w_o", w["o_proj.weight"], kept["o_proj.weight"])
         if self.b_o is not None:
             self.b_o.copy_(w["o_proj.bias"])
+        if self.has_own_indexer:
+            for attr, name in (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
+                               ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
+                               ("w_idx_w", "indexer.weights_proj.weight")):
+                getattr(self, attr).copy_(w[name])
         self.loaded = True
 
     def _set_weight(self, attr: str, full: torch.Tensor, fp8) -> None:
@@ -255,6 +278,11 @@ class MLA(nn.Module):
         kv_cache = batch.cache.layer(self.layer_idx)
         ops.rope_append(q[..., dn:], k_pe, c_kv, cos, sin, kv_cache, batch.slot_mapping, cfg.rope_interleave,
                         kv_scale=batch.cache.kv_scale, backend=self.op_backend)
+        index_qkw = None
+        if self.has_own_indexer:   # every token's indexer key is stored, whichever path serves it
+            q_idx, k_idx, w_idx = sparse.index_query_key(self, hidden_states, q_a, cos, sin)
+            sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping)
+            index_qkw = (q_idx, w_idx)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
@@ -271,6 +299,8 @@ class MLA(nn.Module):
             expanded.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
+        if plan.sparse:
+            sparse.attend(self, q, index_qkw, plan.sparse, batch, kv_cache, attn)
         out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

@@ -15,6 +15,11 @@ The cost rule (DESIGN.md section 2), per sequence with c cached and n new tokens
   whose prefixes together fit the workspace.
 - c > max_workspace_tokens: **chunked**, the prefix expanded chunk by chunk (full mask),
   then the new tokens among themselves (causal), merged by log-sum-exp.
+- a config with a sparse indexer (DeepSeek Sparse Attention) and c + n > index_topk:
+  **sparse**, every new token attends to the index_topk keys its indexer selects (absorbed
+  form over the latent cache, sparse.py). With c + n <= index_topk every query sees at most
+  index_topk keys, so the top-k selects all of them: the dense paths above give the identical
+  result, and serve those sequences.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ import torch
 from .batch import Batch
 from .config import MLAConfig
 
-__all__ = ["STRATEGIES", "absorb_max_new", "choose_strategy", "Plan", "Group", "Pass", "build_plan"]
+__all__ = ["STRATEGIES", "absorb_max_new", "choose_strategy", "Plan", "Group", "Pass", "SparseChunk", "build_plan",
+           "sparse_chunks"]
 
-STRATEGIES = ("prefill", "cached", "chunked", "absorbed")
+STRATEGIES = ("prefill", "cached", "chunked", "absorbed", "sparse")
 
 
 def absorb_max_new(cfg: MLAConfig) -> int:
@@ -80,12 +86,28 @@ class Group:
 
 
 @dataclass
+class SparseChunk:
+    """One indexer + top-k + sparse attention call: consecutive queries of one or more sequences.
+
+    Sequence j of the chunk brings the queries at positions ends[j] - n_j .. ends[j] - 1, so
+    its causal key count is ends[j] (``cache_seqlens`` of the indexer's logits)."""
+    seqs: list[int]                 # batch indices
+    rows: torch.Tensor | slice      # token rows of the queries
+    block_table: torch.Tensor       # [len(seqs), max_blocks] int32
+    cache_seqlens: torch.Tensor     # [len(seqs)] int32, ends
+    cu_seqlens_q: torch.Tensor      # [len(seqs) + 1] int32
+    max_seqlen_k: int               # max(ends): the width of the chunk's logits
+    num_rows: int = 0
+
+
+@dataclass
 class Plan:
     strategy: list[str | None]      # per sequence of the batch
     prefill: Group | None = None
     cached: list[Pass] = field(default_factory=list)
     chunked: Group | None = None    # the new tokens among themselves, then its passes: prefix chunks
     absorbed: list[Group] = field(default_factory=list)
+    sparse: list[SparseChunk] = field(default_factory=list)
 
 
 def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None) -> Plan:
@@ -106,6 +128,8 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
             s = "chunked" if force == "cached" and c > max_workspace_tokens else force
         if cp_size > 1 and s in ("cached", "chunked"):
             s = "absorbed"
+        if s is not None and cfg.has_indexer and (c + n > cfg.index_topk or force == "sparse"):
+            s = "sparse"
         strategy.append(s)
     plan = Plan(strategy)
 
@@ -182,4 +206,56 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
             local = batch.cache.local_tokens
             group.query_seqlens = [ints([local(batch.num_cached[b] + i + 1) for b in seqs]) for i in range(s_q)]
         plan.absorbed.append(group)
+    if by["sparse"]:
+        plan.sparse = sparse_chunks(batch, cfg, by["sparse"], max_workspace_tokens, ints)
     return plan
+
+
+def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_tokens: int, ints
+                  ) -> list[SparseChunk]:
+    """The sparse sequences' queries cut into chunks whose indexer logits hold at most
+    max_workspace_tokens * index_head_dim float32 values (the size of a workspace of indexer
+    keys; never a T x T matrix for a long prompt) and whose selected rows number at most
+    max_workspace_tokens (rows x index_topk, what the reference gathers); at least one query a
+    chunk. A decode batch is one chunk; a long prompt is many, each a run of its queries."""
+    budget = max_workspace_tokens * cfg.index_head_dim
+    max_rows = max(1, max_workspace_tokens // cfg.index_topk)
+    offsets = batch.token_offsets()
+    chunks, pieces = [], []   # pieces of the open chunk: (batch index, first query, end query)
+
+    def flush():
+        if not pieces:
+            return
+        ends = [batch.num_cached[b] + i1 for b, _, i1 in pieces]
+        table = batch.block_table[ints([b for b, _, _ in pieces], torch.int64)]
+        rows = rows_of_pieces(pieces)
+        chunks.append(SparseChunk(seqs=[b for b, _, _ in pieces], rows=rows, block_table=table,
+                                  cache_seqlens=ints(ends),
+                                  cu_seqlens_q=ints(list(itertools.accumulate((i1 - i0 for _, i0, i1 in pieces),
+                                                                              initial=0))),
+                                  max_seqlen_k=max(ends), num_rows=sum(i1 - i0 for _, i0, i1 in pieces)))
+        pieces.clear()
+
+    def rows_of_pieces(ps):
+        rows = [offsets[b] + i for b, i0, i1 in ps for i in range(i0, i1)]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return ints(rows, torch.int64)
+
+    for b in seqs:
+        c, n = batch.num_cached[b], batch.num_new[b]
+        i = 0
+        while i < n:
+            used = sum(i1 - i0 for _, i0, i1 in pieces)
+            width = max([batch.num_cached[x] + i1 for x, _, i1 in pieces] + [c + n])   # a bound on the logits' width
+            m = min(n - i, max_rows - used, budget // width - used)
+            if m <= 0 and pieces:
+                flush()
+                continue
+            m = max(m, 1)
+            pieces.append((b, i, i + m))
+            i += m
+            if i < n:   # the chunk is full
+                flush()
+    flush()
+    return chunks

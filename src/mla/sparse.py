@@ -1,0 +1,87 @@
+"""The sparse path (DeepSeek Sparse Attention, DeepSeek-V3.2 and GLM-5): a lightning indexer
+picks index_topk keys per query token, and the token attends to those only.
+
+Notation as in layer.py, plus n = index_n_heads, d = index_head_dim, k = index_topk:
+
+    q_idx  = rope(wq_b(q_a_norm(q_a)))      [T, n, d]   RoPE on the first dr values (neox in
+    k_idx  = rope(LayerNorm(wk(x)))         [T, d]      DeepSeek-V3.2, interleaved in GLM-5)
+    w      = weights_proj(x) * n^-0.5       [T, n]      float32
+    cache.index_keys[slot] = k_idx                       beside the latent row of the token
+    per chunk of queries (strategy.sparse_chunks):
+        logits  = sum_h w_h relu(q_idx_h . k_idx * d^-0.5)  over the keys each query sees
+        indices = top-k of logits, as flat cache slots (-1 past the visible keys)
+        o_lat   = attn([q_lat | q_pe], cache rows at indices)   absorbed, as absorbed.py
+        o       = o_lat @ W_UV^T
+
+GLM-5's "shared" layers have no indexer: they attend with the indices of the nearest earlier
+layer that has one, which ran on the same batch (``Batch.remember``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .absorbed import absorb_query, apply_uv
+from .batch import Batch
+from .rope import apply_rope
+from .strategy import SparseChunk
+
+__all__ = ["index_query_key", "append_index_keys", "attend"]
+
+
+def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [T, D], q_a [T, rq] (the normed q latent) -> q_idx [T, n, d], k_idx [T, d] in the
+    layer's dtype, both rotated, and the head weights w [T, n] float32 (scaled)."""
+    cfg = layer.cfg
+    T, n, d, dr = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q = F.linear(q_a, layer.w_idx_q).view(T, n, d)
+    k = F.layer_norm(F.linear(x, layer.w_idx_k), (d,), layer.idx_k_norm_w, layer.idx_k_norm_b, cfg.index_k_norm_eps)
+    # RoPE on the first dr values; the pairing is the same for q and k, so their dot products
+    # do not depend on the layout it leaves (transformers' GLM indexer de-interleaves, this keeps it)
+    q = torch.cat((apply_rope(q[..., :dr], cos, sin, cfg.index_rope_interleave), q[..., dr:]), -1)
+    k = torch.cat((apply_rope(k[:, :dr], cos, sin, cfg.index_rope_interleave), k[:, dr:]), -1)
+    w = F.linear(x, layer.w_idx_w).float() * cfg.index_weights_scale
+    return q, k, w
+
+
+def append_index_keys(k_idx: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k_idx [T, d] at the flat slots [T] int64 of index_cache [num_blocks, block_size, d]."""
+    flat = index_cache.view(-1, index_cache.shape[-1])
+    flat.index_copy_(0, slot_mapping, k_idx.to(flat.dtype))
+
+
+def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int) -> torch.Tensor:
+    """The chunk's top-k cache slots [rows, index_topk] int32 (-1 padded)."""
+    cfg = layer.cfg
+    logits = ops.indexer_logits(q_idx[chunk.rows], w[chunk.rows], index_cache, chunk.block_table,
+                                chunk.cache_seqlens, chunk.cu_seqlens_q, chunk.max_seqlen_k,
+                                cfg.index_softmax_scale, causal=True, backend=layer.op_backend)
+    return ops.topk_indices(logits, cfg.index_topk, chunk.block_table, chunk.cu_seqlens_q, block_size,
+                            backend=layer.op_backend)
+
+
+def attend(layer, q, index_qkw, chunks: list[SparseChunk], batch: Batch, kv_cache, out) -> None:
+    """Sparse attention of the plan's sparse chunks, written to out[chunk.rows] ([T, H, dv]).
+
+    index_qkw: (q_idx, w) of this layer's indexer, or None for a layer that reuses the top-k of
+    ``cfg.index_source_layer(layer_idx)`` (GLM-5's shared layers)."""
+    cfg = layer.cfg
+    dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    source = cfg.index_source_layer(layer.layer_idx)
+    key = ("sparse_indices", cfg, layer.max_workspace_tokens, layer.strategy, source)
+    if index_qkw is not None:
+        index_cache = batch.cache.index_keys(layer.layer_idx)
+        indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size) for chunk in chunks]
+        batch.remember(key, indices)
+    else:
+        indices = batch.recall(key)
+        if indices is None:
+            raise ValueError(f"batch: layer {layer.layer_idx} reuses the top-k of layer {source} (a shared "
+                             f"indexer layer): run layer {source} on this batch first")
+    for chunk, idx in zip(chunks, indices):
+        qc = q[chunk.rows]
+        q_full = absorb_query(layer, qc[..., :dn], qc[..., dn:])                   # [rows, H, r + dr]
+        o_lat, _ = ops.sparse_mla_decode(q_full.unsqueeze(1), kv_cache, idx.unsqueeze(1), r, cfg.softmax_scale,
+                                         kv_scale=batch.cache.kv_scale, backend=layer.op_backend)
+        out[chunk.rows] = apply_uv(o_lat[:, 0].to(layer.dtype), layer.W_UV)
