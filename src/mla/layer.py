@@ -263,6 +263,9 @@ class MLA(nn.Module):
         """hidden_states [T, D] (T = batch.num_tokens, rows in the batch's sequence order) -> [T, D]."""
         self._check(hidden_states, batch)
         cfg, H, T = self.cfg, self.num_local_heads, batch.num_tokens
+        shared = None   # GLM-5's shared layers: the top-k an earlier layer selected (checked before any write)
+        if cfg.has_indexer and not self.has_own_indexer:
+            shared = sparse.shared_indices(self, batch, self.plan(batch).sparse)
         r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         a = F.linear(hidden_states, self.w_a, self.b_a)
         if cfg.q_lora_rank is None:
@@ -300,7 +303,7 @@ class MLA(nn.Module):
         for group in plan.absorbed:
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         if plan.sparse:
-            sparse.attend(self, q, index_qkw, plan.sparse, batch, kv_cache, attn)
+            sparse.attend(self, q, index_qkw, shared, plan.sparse, batch, kv_cache, attn)
         out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

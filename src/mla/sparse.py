@@ -27,7 +27,7 @@ from .batch import Batch
 from .rope import apply_rope
 from .strategy import SparseChunk
 
-__all__ = ["index_query_key", "append_index_keys", "attend"]
+__all__ = ["index_query_key", "append_index_keys", "shared_indices", "attend"]
 
 
 def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -61,24 +61,38 @@ def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int) ->
                             backend=layer.op_backend)
 
 
-def attend(layer, q, index_qkw, chunks: list[SparseChunk], batch: Batch, kv_cache, out) -> None:
+def _key(layer) -> tuple:
+    """Where a step's top-k of an indexer layer is kept in the batch: the layers that share it
+    have the same config, workspace and strategy, hence the same chunks."""
+    return ("sparse_indices", layer.cfg, layer.max_workspace_tokens, layer.strategy,
+            layer.cfg.index_source_layer(layer.layer_idx))
+
+
+def shared_indices(layer, batch: Batch, chunks: list[SparseChunk]):
+    """For a layer without its own indexer (GLM-5's shared layers): the top-k per chunk that
+    its source layer selected on this batch (None when no sequence is sparse). Raises
+    ValueError, before the layer writes anything, when the source layer has not run."""
+    if not chunks:
+        return None
+    indices = batch.recall(_key(layer))
+    if indices is None:
+        source = layer.cfg.index_source_layer(layer.layer_idx)
+        raise ValueError(f"batch: layer {layer.layer_idx} reuses the top-k of layer {source} (GLM-5's shared "
+                         f"indexer layers): run layer {source} on this batch first")
+    return indices
+
+
+def attend(layer, q, index_qkw, indices, chunks: list[SparseChunk], batch: Batch, kv_cache, out) -> None:
     """Sparse attention of the plan's sparse chunks, written to out[chunk.rows] ([T, H, dv]).
 
-    index_qkw: (q_idx, w) of this layer's indexer, or None for a layer that reuses the top-k of
-    ``cfg.index_source_layer(layer_idx)`` (GLM-5's shared layers)."""
+    index_qkw: (q_idx, w) of this layer's indexer, whose top-k is computed here and kept in the
+    batch for the layers that share it; or None, and ``indices`` the shared top-k per chunk."""
     cfg = layer.cfg
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    source = cfg.index_source_layer(layer.layer_idx)
-    key = ("sparse_indices", cfg, layer.max_workspace_tokens, layer.strategy, source)
     if index_qkw is not None:
         index_cache = batch.cache.index_keys(layer.layer_idx)
         indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size) for chunk in chunks]
-        batch.remember(key, indices)
-    else:
-        indices = batch.recall(key)
-        if indices is None:
-            raise ValueError(f"batch: layer {layer.layer_idx} reuses the top-k of layer {source} (a shared "
-                             f"indexer layer): run layer {source} on this batch first")
+        batch.remember(_key(layer), indices)
     for chunk, idx in zip(chunks, indices):
         qc = q[chunk.rows]
         q_full = absorb_query(layer, qc[..., :dn], qc[..., dn:])                   # [rows, H, r + dr]

@@ -1,0 +1,403 @@
+"""Sparse MLA (DeepSeek Sparse Attention): the ops against straightforward oracles, and the
+layer exact against transformers' DeepseekV32Attention and GlmMoeDsaAttention past index_topk.
+
+Layer oracle: the family's module in float64 over each whole sequence (tests/hf_families.py,
+SPARSE cases: index_topk 8, prompts up to 40 tokens), through the public API only.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_families as F
+import mla
+from hf_util import FP32_TOL, rel_err
+from mla import quant
+
+FAMILIES = list(F.SPARSE)
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------
+# ops against oracles
+
+
+def _paged(g, lens, block_size, d, num_blocks, dtype=torch.float32):
+    """A cache [num_blocks, block_size, d] of NaN with each sequence's rows at shuffled blocks,
+    and its block table; returns (cache, table, rows per sequence)."""
+    cache = torch.full((num_blocks, block_size, d), NAN, dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max([-(-n // block_size) for n in lens] + [1])
+    table = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)   # tails: anything
+    rows = []
+    for b, n in enumerate(lens):
+        x = torch.randn(n, d, generator=g).to(dtype)
+        rows.append(x)
+        for j in range(-(-n // block_size)):
+            blk = perm.pop()
+            table[b, j] = blk
+            part = x[j * block_size:(j + 1) * block_size]
+            cache[blk, :part.shape[0]] = part
+    return cache, table, rows
+
+
+def _slot(table, b, s, block_size):
+    return int(table[b, s // block_size]) * block_size + s % block_size
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_heads", [1, 3, 8])
+def test_indexer_logits(n_heads, causal):
+    g = torch.Generator().manual_seed(n_heads)
+    d, bs = 16, 4
+    lens, nq = [9, 0, 14, 5], [3, 0, 14, 1]
+    cache, table, keys = _paged(g, lens, bs, d, 12)
+    Tq = sum(nq)
+    q = torch.randn(Tq, n_heads, d, generator=g)
+    w = torch.randn(Tq, n_heads, generator=g)
+    cu = torch.tensor([0, 3, 3, 17, 18], dtype=torch.int32)
+    out = mla.ops.indexer_logits(q, w, cache, table, torch.tensor(lens, dtype=torch.int32), cu, 16, 0.25,
+                                 causal=causal)
+    assert out.shape == (Tq, 16) and out.dtype == torch.float32
+    t = 0
+    for b, (n, m) in enumerate(zip(lens, nq)):
+        for i in range(m):
+            for s in range(16):
+                seen = s < n and (not causal or s < n - m + i + 1)
+                if not seen:
+                    assert out[t, s] == float("-inf")
+                    continue
+                want = sum(float(w[t, h]) * max(0.0, float(q[t, h].double() @ keys[b][s].double()) * 0.25)
+                           for h in range(n_heads))
+                assert abs(out[t, s].item() - want) <= 1e-5 * (1 + abs(want))
+            t += 1
+
+
+def test_topk_indices_ties_padding_and_slots():
+    g = torch.Generator().manual_seed(0)
+    bs = 4
+    table = torch.tensor([[7, 2, 5], [1, 0, 0]], dtype=torch.int32)
+    inf = float("-inf")
+    logits = torch.tensor([
+        [1.0, 3.0, 3.0, inf, 3.0, 0.5, 2.0, 2.0, inf, inf, inf],    # ties: lower index first
+        [0.1, -2.0, inf, inf, inf, inf, inf, inf, inf, inf, inf],   # 2 visible of topk 4: both, then -1
+        [inf] * 11,                                                 # nothing visible
+    ])
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    out = mla.ops.topk_indices(logits, 4, table, cu, bs)
+    pos = [[1, 2, 4, 6], [0, 1], []]
+    for t, b in enumerate([0, 0, 1]):
+        want = [_slot(table, b, s, bs) for s in pos[t]] + [-1] * (4 - len(pos[t]))
+        assert out[t].tolist() == want
+    # random rows against a sort by (-value, index)
+    x = torch.randn(6, 11, generator=g).round(decimals=1)        # rounded: many ties
+    x[:, 9:] = inf
+    out = mla.ops.topk_indices(x, 5, table[:1], torch.tensor([0, 6], dtype=torch.int32), bs)
+    for t in range(6):
+        order = sorted(range(9), key=lambda s: (-x[t, s].item(), s))[:5]
+        assert out[t].tolist() == [_slot(table, 0, s, bs) for s in order]
+    # topk past the width: every visible key, then -1
+    out = mla.ops.topk_indices(logits[:1], 16, table[:1], torch.tensor([0, 1], dtype=torch.int32), bs)
+    assert (out[0, 7:] == -1).all()
+    assert sorted(out[0, :7].tolist()) == sorted(_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7))
+
+
+def _sparse_oracle(q, rows_per_query, scale, dv):
+    """q [N, H, d]; rows_per_query: list of [k_i, d] float64 -> out [N, H, dv], lse [N, H] float64."""
+    N, H, _ = q.shape
+    out = torch.zeros(N, H, dv, dtype=torch.float64)
+    lse = torch.full((N, H), float("-inf"), dtype=torch.float64)
+    for t, kv in enumerate(rows_per_query):
+        if kv.shape[0] == 0:
+            continue
+        s = (q[t].double() @ kv.T) * scale
+        lse[t] = torch.logsumexp(s, -1)
+        out[t] = torch.softmax(s, -1) @ kv[:, :dv]
+    return out, lse
+
+
+@pytest.mark.parametrize("H", [1, 3, 16])
+@pytest.mark.parametrize("fmt", ["plain", "fp8_tile"])
+def test_sparse_mla_decode(H, fmt):
+    g = torch.Generator().manual_seed(H)
+    r, dr, bs, nb, topk = 128, 16, 4, 10, 6
+    d = r + dr
+    cache = torch.full((nb, bs, d), NAN)
+    used = torch.randperm(nb * bs, generator=g)[:24]
+    flat = cache.view(-1, d)
+    flat[used] = torch.randn(24, d, generator=g)
+    B, s_q = 2, 3
+    idx = torch.full((B, s_q, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(s_q):
+            k = [6, 2, 0][i] if b == 0 else 4     # full, partial, none
+            idx[b, i, :k] = used[torch.randperm(24, generator=g)[:k]].int()
+    q = torch.randn(B, s_q, H, d, generator=g)
+    stored = cache if fmt == "plain" else quant.quantize_rows(flat.nan_to_num(), "fp8_tile", r).view(nb, bs, -1)
+    values = flat if fmt == "plain" else quant.dequantize_rows(stored.view(nb * bs, -1), "fp8_tile", r)
+    out, lse = mla.ops.sparse_mla_decode(q, stored, idx, r, 0.1)
+    assert out.shape == (B, s_q, H, r) and lse.shape == (B, s_q, H) and lse.dtype == torch.float32
+    flat_idx = idx.view(B * s_q, topk)
+    rows = [values[[s for s in row.tolist() if s >= 0]].double() for row in flat_idx]
+    want_o, want_l = _sparse_oracle(q.view(B * s_q, H, d), rows, 0.1, r)
+    assert not out.isnan().any()
+    assert torch.equal(lse.view(-1, H).isinf(), want_l.isinf())
+    assert torch.allclose(out.view(-1, H, r).double(), want_o, atol=1e-5)
+    fin = want_l.isfinite()
+    assert torch.allclose(lse.view(-1, H).double()[fin], want_l[fin], atol=1e-5)
+    assert (out[0, 2] == 0).all() and (lse[0, 2] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("H", [1, 7])
+def test_sparse_prefill_attention(H):
+    g = torch.Generator().manual_seed(H)
+    s_q, s_kv, d, dv, topk = 5, 11, 40, 32, 4
+    q = torch.randn(s_q, H, d, generator=g)
+    kv = torch.randn(s_kv, 1, d, generator=g)
+    idx = torch.full((s_q, 1, topk), -1, dtype=torch.int32)
+    for t in range(s_q - 1):                                   # the last query has no index
+        idx[t, 0, :t + 1] = torch.randperm(s_kv, generator=g)[:t + 1].int()[:topk]
+    out, lse = mla.ops.sparse_prefill_attention(q, kv, idx, 0.2, dv)
+    rows = [kv[[s for s in idx[t, 0].tolist() if s >= 0], 0].double() for t in range(s_q)]
+    want_o, want_l = _sparse_oracle(q, rows, 0.2, dv)
+    assert torch.allclose(out.double(), want_o, atol=1e-5) and torch.equal(lse.isinf(), want_l.isinf())
+    assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
+    # the same as the paged op over a one-block cache holding kv
+    o2, l2 = mla.ops.sparse_mla_decode(q[None], kv[:, 0][None], idx[:, 0][None], dv, 0.2)
+    assert torch.allclose(o2[0], out, atol=1e-6) and torch.equal(l2[0].isinf(), lse.isinf())
+
+
+def test_sparse_op_validation():
+    q = torch.randn(1, 1, 2, 24)
+    cache = torch.randn(3, 4, 24)
+    with pytest.raises(ValueError, match="indices.*-1"):
+        mla.ops.sparse_mla_decode(q, cache, torch.tensor([[[12]]], dtype=torch.int32), 16, 0.1)
+    with pytest.raises(ValueError, match="indices.*int32"):
+        mla.ops.sparse_mla_decode(q, cache, torch.tensor([[[1]]]), 16, 0.1)
+    with pytest.raises(ValueError, match="kv_cache.*dtype"):
+        mla.ops.sparse_mla_decode(q, cache.double(), torch.tensor([[[1]]], dtype=torch.int32), 16, 0.1)
+    with pytest.raises(ValueError, match="kv: expected"):
+        mla.ops.sparse_prefill_attention(q[0], cache[0], torch.zeros(1, 1, 1, dtype=torch.int32), 0.1, 16)
+    with pytest.raises(ValueError, match="topk"):
+        mla.ops.topk_indices(torch.zeros(1, 4), 0, torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32), 4)
+    qi, w = torch.randn(2, 2, 8), torch.randn(2, 2)
+    args = (torch.randn(2, 4, 8), torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        mla.ops.indexer_logits(qi, w, *args, torch.tensor([3], dtype=torch.int32),
+                               torch.tensor([0, 2], dtype=torch.int32), 2, 0.25)
+    with pytest.raises(ValueError, match="cache_seqlens.*queries"):
+        mla.ops.indexer_logits(qi, w, *args, torch.tensor([1], dtype=torch.int32),
+                               torch.tensor([0, 2], dtype=torch.int32), 4, 0.25)
+    with pytest.raises(ValueError, match="weights"):
+        mla.ops.indexer_logits(qi, w.double(), *args, torch.tensor([2], dtype=torch.int32),
+                               torch.tensor([0, 2], dtype=torch.int32), 4, 0.25)
+
+
+# ---------------------------------------------------------------------------------------
+# from_hf and loading
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_from_hf_reads_the_indexer(name):
+    hf_cfg = F.SPARSE[name].make_config()
+    for source in ("object", "dict"):
+        cfg = mla.MLAConfig.from_hf(F.config_source(hf_cfg, source))
+        assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (8, 8, 16)
+        assert cfg.index_rope_interleave == (name == "glm_moe_dsa") and cfg.rope_interleave
+        assert cfg.index_weights_scale == pytest.approx(8 ** -0.5)
+        attn, _ = F.make_attention(F.SPARSE[name], hf_cfg, 0)
+        assert cfg.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+
+
+def test_glm_shared_layers_from_hf():
+    hf_cfg = F.SPARSE["glm_moe_dsa"].make_config(num_hidden_layers=4, indexer_types=["full", "shared", "full",
+                                                                                        "shared"])
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    assert cfg.index_shared_layers == (1, 3) and cfg.index_source_layer(3) == 2
+    assert "indexer.wk.weight" not in mla.weights.hf_weight_shapes(cfg, 1)
+    assert "indexer.wk.weight" in mla.weights.hf_weight_shapes(cfg, 2)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_strict_loading_of_indexer_tensors(name):
+    c = F.SPARSE[name]
+    hf_cfg = c.make_config()
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    attn, _ = F.make_attention(c, hf_cfg, 0)
+    sd = F.state_dict(attn, c.prefix)
+    assert any(k.endswith("indexer.k_norm.bias") for k in sd)
+    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch")
+    extra = dict(sd, **{c.prefix + "indexer.wq_b.bias": torch.zeros(128)})
+    with pytest.raises(ValueError, match="indexer.wq_b.bias"):
+        layer.load_hf_state_dict(extra, prefix=c.prefix)
+    missing = {k: v for k, v in sd.items() if not k.endswith("indexer.weights_proj.weight")}
+    with pytest.raises(ValueError, match="indexer.weights_proj.weight"):
+        layer.load_hf_state_dict(missing, prefix=c.prefix)
+    assert not layer.loaded
+    layer.load_hf_state_dict(sd, prefix=c.prefix)
+
+
+def test_refusals():
+    cfg = mla.MLAConfig.from_hf(F.SPARSE["deepseek_v32"].make_config())
+    with pytest.raises(ValueError, match="strategy"):
+        mla.MLA(cfg.replace(index_topk=None), strategy="sparse")
+    with pytest.raises(ValueError, match="index_keys|index_topk"):
+        mla.PagedLatentCache(cfg.replace(index_topk=None), num_blocks=2, block_size=4).index_keys(0)
+    with pytest.raises(ValueError, match="index_head_dim"):
+        cfg.replace(index_head_dim=4)
+
+
+# ---------------------------------------------------------------------------------------
+# the layer against transformers
+
+
+def _indices_of(batch):
+    """Our layer's selection of the step: [rows, topk] cache slots per chunk, concatenated."""
+    vals = [v for k, v in batch._memo.items() if isinstance(k, tuple) and k[0] == "sparse_indices"]
+    assert len(vals) == 1
+    return torch.cat(vals[0])
+
+
+def _check_selection(h, batch, seq, n):
+    """Our top-k of the step's n new tokens of ``seq`` (the only sparse sequence of the batch)
+    equals the module's (float64) where the scores at the top-k boundary are distinct."""
+    attn = h.attn_ref
+    x = h.hist[seq].double()[None]
+    L = x.shape[1]
+    pos = torch.arange(L)[None]
+    mask = torch.full((L, L), float("-inf"), dtype=torch.float64).triu(1)[None]
+    cos_sin = h.rotary(x, pos)
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    theirs = attn.indexer(x, q_resid, cos_sin, mask, pos)[0, -n:]                 # [n, topk] positions
+    ours = _indices_of(batch)
+    blocks = h.cache.blocks(seq)
+    bs = h.cache.block_size
+    slot_to_pos = {blocks[p // bs] * bs + p % bs: p for p in range(L)}
+    checked = 0
+    for i in range(n):
+        p = L - n + i
+        mine = {slot_to_pos[s] for s in ours[i].tolist() if s >= 0}
+        if p + 1 <= h.cfg.index_topk:
+            assert mine == set(range(p + 1))
+            continue
+        want = {int(s) for s in theirs[i] if s <= p}
+        assert mine == want, f"query at {p}: ours {sorted(mine)}, the module's {sorted(want)}"
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prompt_decode_drafts_fork(name):
+    """40-token prompt (5x index_topk), decodes, s_q 3 drafts with rollback, fork."""
+    h = F.FamilyHarness(name, torch.float32, seed=1)
+    seen = {}
+    h.step([(0, 40)], on_batch=lambda b: seen.update(batch=b))
+    assert h.layer.plan(seen["batch"]).strategy == ["sparse"]
+    assert _check_selection(h, seen["batch"], 0, 40) == 32
+    for _ in range(2):
+        h.step([(0, 1)], on_batch=lambda b: seen.update(batch=b))
+        _check_selection(h, seen["batch"], 0, 1)
+    h.step([(0, 3)])
+    h.truncate(0, 43)                  # one draft accepted
+    h.step([(0, 1)])
+    h.step([(0, 3)])
+    h.truncate(0, 40)                  # none accepted, back across a block boundary (block_size 4)
+    h.step([(0, 2)])
+    h.fork(0, 1)                       # 42 tokens: a partial last block, copied on write
+    h.step([(0, 1), (1, 1)])
+    h.step([(1, 3), (0, 2)])
+    assert max(h.errors) <= FP32_TOL
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chunked_prefill_and_workspace_bound(name):
+    """A prompt prefilled as 12 + 28 tokens under max_workspace_tokens 16: the indexer's logits
+    come in chunks of at most 16 * index_head_dim values; then a mixed batch of a new short
+    prompt (dense path), a decode and a long chunk."""
+    h = F.FamilyHarness(name, torch.float32, seed=3, max_workspace_tokens=16)
+    h.step([(0, 12)])
+    plans = []
+    h.step([(0, 28)], on_batch=lambda b: plans.append(h.layer.plan(b)))
+    chunks = plans[0].sparse
+    assert len(chunks) > 1
+    for c in chunks:
+        assert c.num_rows * c.max_seqlen_k <= 16 * h.cfg.index_head_dim or c.num_rows == 1
+        assert c.num_rows <= max(1, 16 // h.cfg.index_topk)
+    h.step([(1, 6), (0, 1), (2, 20)], on_batch=lambda b: plans.append(h.layer.plan(b)))
+    assert plans[-1].strategy == ["prefill", "sparse", "sparse"]
+    h.step([(1, 3), (2, 1)])           # seq 1: 9 keys > 8 from here on
+    assert max(h.errors) <= FP32_TOL
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_short_sequences_dense_path_is_identical(name):
+    """Up to index_topk keys the dense paths serve (top-k selects every key): forcing the
+    sparse path gives the same result."""
+    outs = []
+    for strategy in (None, "sparse"):
+        h = F.FamilyHarness(name, torch.float32, seed=5, strategy=strategy)
+        plans = []
+        o1, _ = h.step([(0, 6)], on_batch=lambda b: plans.append(h.layer.plan(b)))
+        o2, _ = h.step([(0, 2)], on_batch=lambda b: plans.append(h.layer.plan(b)))
+        assert [p.strategy[0] for p in plans] == (["prefill", "absorbed"] if strategy is None else ["sparse"] * 2)
+        outs.append(torch.cat([o1, o2]))
+    assert rel_err(outs[1], outs[0]) <= 1e-6
+
+
+def test_sparsity_matters():
+    """The oracle differs from dense attention at 40 tokens: an index_topk the layer ignored
+    would fail the tests above."""
+    c = F.SPARSE["deepseek_v32"]
+    h = F.FamilyHarness("deepseek_v32", torch.float32, seed=1)
+    x = h.new_inputs(40).double()
+    sparse = F.reference(c, h.attn_ref, h.rotary, x)
+    dense_attn = copy.deepcopy(h.attn_ref)
+    dense_attn.indexer.index_topk = 64
+    assert rel_err(sparse, F.reference(c, dense_attn, h.rotary, x)) > 1e-2
+
+
+def test_bf16_within_the_modules_own_error():
+    h = F.FamilyHarness("deepseek_v32", torch.bfloat16, seed=2)
+    h.step([(0, 24)])
+    h.step([(0, 1)])
+    h.check_bf16()
+
+
+def test_glm_shared_layer():
+    """GLM-5: layer 1 reuses layer 0's top-k (indexer_types ["full", "shared"]): two layers on one
+    batch against the two modules, the second fed the first's top-k."""
+    c = F.SPARSE["glm_moe_dsa"]
+    hf_cfg = c.make_config(indexer_types=["full", "shared"])
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    assert cfg.index_shared_layers == (1,)
+    cls = F.attention_class(c)
+    mods, layers = [], []
+    for i in range(2):
+        attn, rotary = F.make_attention(F.Case(**{**c.__dict__, "layer_idx": i}), hf_cfg, seed=10 + i)
+        prefix = f"model.layers.{i}.self_attn."
+        layer = mla.MLA(cfg, layer_idx=i, dtype=torch.float32, backend="torch")
+        layer.load_hf_state_dict(F.state_dict(attn, prefix), prefix=prefix)
+        mods.append(attn.double())
+        layers.append(layer)
+    assert isinstance(mods[1], cls) and mods[1].indexer is None
+    cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=32, block_size=4, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    hist = torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
+    for n in (30, 1, 3):
+        x = torch.randn(n, cfg.hidden_size, generator=g)
+        batch = cache.prepare([(0, n)])
+        with pytest.raises(ValueError, match="run layer 0"):
+            layers[1](x, batch)
+        ours = [layers[0](x, batch), layers[1](x, batch)]
+        hist = torch.cat([hist, x.double()])
+        L = hist.shape[0]
+        pos = torch.arange(L)[None]
+        mask = torch.full((L, L), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1).view(1, 1, L, L)
+        cs = rotary(hist[None], pos)
+        o0, _, topk = mods[0](hist[None], position_embeddings=cs, attention_mask=mask)
+        o1, _, _ = mods[1](hist[None], position_embeddings=cs, attention_mask=mask, prev_topk_indices=topk)
+        assert rel_err(ours[0], o0[0, -n:]) <= FP32_TOL
+        assert rel_err(ours[1], o1[0, -n:]) <= FP32_TOL
