@@ -164,19 +164,21 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     softmax_scale = as_float("softmax_scale", softmax_scale)
     check_flag("causal", causal)
     for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
-        # what the host can check: B + 1 ints from 0 to the row count, never decreasing
-        check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
-                             and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
-                             and offsets_ok(h, total)),
-               f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
+        # what the host can check: B + 1 ints from 0 to the row count, never decreasing (the
+        # message built only on failure: torch.compile cannot repr traced ints)
+        if not (h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+                              and offsets_ok(h, total))):
+            raise ValueError(f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, "
+                             f"got {h!r}"[:300])
     resolve_backend(backend, q.device)
     check(kernel is None or kernel in ("flashinfer", "cudnn", "triton"),
           f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
     for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         # what the host can check: B sequences of at most m rows hold all the rows, none more than all
-        check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m),
-               f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
-               f"got {m!r}")
+        if not (m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m)):
+            raise ValueError(f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * "
+                             f"{name}, got {m!r}")
     # the offsets' values (CPU, or the reference) are checked where they are read, and the
     # choice of implementation made, in the op
     offsets_q, offsets_k = (None if h is None else list(h) for h in (offsets_q, offsets_k))
