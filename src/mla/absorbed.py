@@ -16,7 +16,17 @@ import torch
 from . import ops
 from .strategy import Group
 
-__all__ = ["attend", "absorb_query", "apply_uv"]
+__all__ = ["attend", "absorb_query", "apply_uv", "bmm_into"]
+
+
+def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b (batched), written through ``out``'s strides. Eagerly cuBLAS writes a strided
+    view in place; torch.compile does not trace ``out=`` into a non-contiguous view, so there the
+    product is a graph value copied into the view (the compiler places or fuses the copy)."""
+    if torch.compiler.is_compiling():
+        out.copy_(torch.bmm(a, b))
+    else:
+        torch.bmm(a, b, out=out)
 
 
 def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -25,7 +35,7 @@ def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tenso
     r = layer.cfg.kv_lora_rank
     q = torch.empty(H, T, r + q_pe.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
     # bmm over heads, [H, T, dn] @ [H, dn, r], written straight into the fused buffer (no copy)
-    torch.bmm(q_nope.transpose(0, 1), layer.W_UK, out=q[..., :r])
+    bmm_into(q_nope.transpose(0, 1), layer.W_UK, q[..., :r])
     q[..., r:] = q_pe.transpose(0, 1)
     return q.transpose(0, 1)
 
@@ -35,7 +45,7 @@ def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor | None =
     view with unit last stride, e.g. rows of the layer's output: cuBLAS writes it in place)."""
     if out is None:
         return torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2)).transpose(0, 1)
-    torch.bmm(o_lat.transpose(0, 1), W_UV.transpose(1, 2), out=out.transpose(0, 1))
+    bmm_into(o_lat.transpose(0, 1), W_UV.transpose(1, 2), out.transpose(0, 1))
     return out
 
 

@@ -223,7 +223,12 @@ class PagedLatentCache:
         comparison until the cache changes. (The Batch's tensors are the caller's not to edit in
         place: checking their values would sync the stream on every layer.)"""
         try:
-            ours = isinstance(batch, Batch) and batch.cache is self and batch in self._prepared
+            # Under torch.compile this code runs only while tracing, and what it reads becomes the
+            # compiled step's guards: the versions below do (a stale batch fails them, and the
+            # retrace raises here), the WeakSet's members cannot (they come and go with the
+            # batches), so the membership test is left to eager calls.
+            ours = isinstance(batch, Batch) and batch.cache is self and (
+                torch.compiler.is_compiling() or batch in self._prepared)
         except TypeError:   # unhashable: not a Batch of ours
             ours = False
         if not ours:

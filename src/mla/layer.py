@@ -221,8 +221,8 @@ class MLA(nn.Module):
         # One GEMM per head (bmm) rather than one F.linear: a head's [N, d] output block is a matrix
         # whose row stride exceeds its width, which cuBLAS writes in place, so neither half goes
         # through an [N, H_s, dn + dv] temporary.
-        torch.bmm(x, W_UK[heads].mT, out=k_nope.transpose(0, 1))
-        torch.bmm(x, W_UV[heads].mT, out=v.transpose(0, 1))
+        absorbed.bmm_into(x, W_UK[heads].mT, k_nope.transpose(0, 1))
+        absorbed.bmm_into(x, W_UV[heads].mT, v.transpose(0, 1))
 
     def plan(self, batch: Batch) -> Plan:
         """The step's strategy plan (strategy.py) for this layer's workspace and ``strategy``:

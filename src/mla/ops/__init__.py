@@ -9,6 +9,12 @@ last dimension; a query with no visible key gets ``out = 0`` and ``lse = -inf``.
 The "triton" backend of each op family is a module or package here (``decode``, ``prefill``,
 ``merge``, ``cache_append``, ``gather``, ``fp8_gemm``), imported on first use (Triton is
 optional); where a family has several kernels, its own dispatch chooses among them.
+
+Each wrapper checks its arguments' types, shapes, dtypes and devices, then calls its op
+registered with ``torch.library`` (``torch.ops.mla.<name>``, ``_library.py``), which checks the
+values of CPU index tensors, dispatches and runs. The wrappers read no tensor values, so they
+trace under ``torch.compile(fullgraph=True)``: the checks run once at trace time on FakeTensors,
+the value checks whenever the op runs.
 """
 from __future__ import annotations
 
@@ -18,10 +24,9 @@ from typing import Callable
 import torch
 
 from .. import quant
-from . import reference
-from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_gather_values, check_int,
-                      check_int_vector, check_interpretable, check_paged_values, check_writable, dense, describe,
-                      host_offsets, offsets_ok)
+from . import _library, reference
+from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_int, check_int_vector,
+                      dense, describe, offsets_ok)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
@@ -34,6 +39,7 @@ _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merg
                    "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm"}
 
 
+@torch.compiler.assume_constant_result   # torch.compile takes the answer at trace time (no import traced)
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -112,15 +118,11 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
            f"block_table: expected [{B}, max_blocks] int32, got {describe(block_table)}")
     check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
     check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
-    check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
     softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
     block_table, cache_seqlens = dense(block_table), dense(cache_seqlens)
-    impl = _impl("mla_decode", backend, q.device, fmt)
-    check_interpretable("mla_decode", impl is reference.mla_decode, q.device, q, kv_cache)
-    options = {} if impl is reference.mla_decode else {"pdl": pdl}
-    if fmt == "plain":
-        return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, **options)
-    return impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale, **options)
+    resolve_backend(backend, q.device)
+    return _library.mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale,
+                               backend, pdl)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *, max_seqlen_q=None,
@@ -162,35 +164,29 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     softmax_scale = as_float("softmax_scale", softmax_scale)
     check_flag("causal", causal)
     for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
-        # what the host can check: B + 1 ints from 0 to the row count, never decreasing
-        check(h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
-                             and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
-                             and offsets_ok(h, total)),
-               f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, got {h!r}"[:300])
-    impl = _impl("prefill_attention", backend, q.device)
-    is_reference = impl is reference.prefill_attention
-    check_interpretable("prefill_attention", is_reference, q.device, q, k, v)
-    check(kernel is None or (not is_reference and kernel in ("flashinfer", "cudnn", "triton")),
+        # what the host can check: B + 1 ints from 0 to the row count, never decreasing (the
+        # message built only on failure: torch.compile cannot repr traced ints)
+        if not (h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+                              and offsets_ok(h, total))):
+            raise ValueError(f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, "
+                             f"got {h!r}"[:300])
+    resolve_backend(backend, q.device)
+    check(kernel is None or kernel in ("flashinfer", "cudnn", "triton"),
           f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
-    if q.device.type == "cpu" or is_reference:
-        # The offsets' values, checked on the one host copy this path makes anyway: free on CPU,
-        # and the reference reads them back on CUDA too (it takes this copy instead). The CUDA
-        # kernels' path copies none of them to the host, so there they are the caller's, as
-        # offsets_q/k are: checking them would add a stream sync.
-        offsets_q = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", offsets_q)
-        offsets_k = host_offsets("cu_seqlens_k", cu_seqlens_k, "Tk", k.shape[0], "offsets_k", offsets_k)
-    if offsets_q is not None and max_seqlen_q is None:
-        max_seqlen_q = max(b - a for a, b in zip(offsets_q, offsets_q[1:])) if B else 0
-    if offsets_k is not None and max_seqlen_k is None:
-        max_seqlen_k = max(b - a for a, b in zip(offsets_k, offsets_k[1:])) if B else 0
     for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         # what the host can check: B sequences of at most m rows hold all the rows, none more than all
-        check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m),
-               f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * {name}, "
-               f"got {m!r}")
-    options = {} if is_reference else {"kernel": kernel, "workspace": workspace}
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k,
-                offsets_q, offsets_k, **options)
+        if not (m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m)):
+            raise ValueError(f"{name}: expected None or the longest length, an int with {name} <= {total} <= {B} * "
+                             f"{name}, got {m!r}")
+    # the offsets' values (CPU, or the reference) are checked where they are read, and the
+    # choice of implementation made, in the op
+    offsets_q, offsets_k = (None if h is None else list(h) for h in (offsets_q, offsets_k))
+    if workspace is not None:   # an object no op schema holds: the op's body, run as a plain call
+        return _library.run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
+                                    max_seqlen_k, offsets_q, offsets_k, backend, kernel, workspace)
+    return _library.prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
+                                      max_seqlen_k, offsets_q, offsets_k, backend, kernel)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
@@ -211,7 +207,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
                f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {describe(t)}")
     for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         check(t.device == out_a.device, f"{name}: expected device {out_a.device} (out_a's), got {t.device}")
-    return _impl("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b)
+    resolve_backend(backend, out_a.device)
+    return _library.merge_attention(out_a, lse_a, out_b, lse_b, backend)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None):
@@ -251,21 +248,13 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
                     ("slot_mapping", slot_mapping)):
         check(t.device == kv_cache.device, f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
-    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
-        check_writable(name, t)
     check_flag("interleave", interleave)
-    if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
-        slots = kv_cache.shape[0] * kv_cache.shape[1]
-        bad = (slot_mapping >= slots).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative "
-                             f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
     kv_scale = as_float("kv_scale", kv_scale, positive=True)
+    resolve_backend(backend, kv_cache.device)
     cos, sin, slot_mapping = dense(cos), dense(sin), dense(slot_mapping)
-    impl = _impl("rope_append", backend, kv_cache.device, fmt, (q_pe, c_kv, kv_cache))
-    if fmt == "plain":
-        return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
-    return impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
+    # the slots' values (CPU), and that no written tensor overlaps itself, are checked in the op
+    # before it writes (under torch.compile the op may write other buffers than the traced ones)
+    _library.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):
@@ -292,10 +281,10 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, back
     check_int_vector("starts", starts, B, kv_cache.device)
     check_int_vector("cu_seqlens", cu_seqlens, B + 1, kv_cache.device)
     check_int("num_tokens", num_tokens, 0)
-    check_gather_values(block_table, starts, cu_seqlens, num_tokens, kv_cache.shape[0], kv_cache.shape[1])
+    resolve_backend(backend, kv_cache.device)
     block_table, starts, cu_seqlens = dense(block_table), dense(starts), dense(cu_seqlens)
-    return _impl("gather_latent", backend, kv_cache.device, "plain")(
-        kv_cache, block_table, starts, cu_seqlens, num_tokens)
+    # the index values (CPU) are checked in the op
+    return _library.gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, backend)
 
 
 def quantize_act_1x128(x, *, backend=None):
@@ -306,7 +295,8 @@ def quantize_act_1x128(x, *, backend=None):
     even (a group of zeros quantizes to zeros). The last group may be partial.
     """
     check_act(x, "[M, K]")
-    return _impl("quantize_act_1x128", backend, x.device)(x)
+    resolve_backend(backend, x.device)
+    return _library.quantize_act_1x128(x, backend)
 
 
 def fp8_linear(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):
@@ -326,7 +316,8 @@ def fp8_linear(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):
     """
     check_act(x, "[M, K]")
     out_dtype = check_fp8_weight(x, weight, weight_scale_inv, out_dtype)
-    return _impl("fp8_linear", backend, x.device)(x, weight, weight_scale_inv, out_dtype)
+    resolve_backend(backend, x.device)
+    return _library.fp8_linear(x, weight, weight_scale_inv, out_dtype, backend)
 
 
 def fp8_bmm(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):
@@ -338,7 +329,8 @@ def fp8_bmm(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):
     """
     check_act(x, "[H, T, K]")
     out_dtype = check_fp8_weight(x, weight, weight_scale_inv, out_dtype)
-    return _impl("fp8_bmm", backend, x.device)(x, weight, weight_scale_inv, out_dtype)
+    resolve_backend(backend, x.device)
+    return _library.fp8_bmm(x, weight, weight_scale_inv, out_dtype, backend)
 
 
 # Sparse MLA (DeepSeek Sparse Attention): their own module, imported last (it uses resolve_backend)

@@ -37,8 +37,9 @@ def as_float(name: str, x, positive: bool = False) -> float:
 def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> None:
     """An int argument: a Python int, not a bool (True would count as 1), in lo..hi."""
     ok = isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo) and (hi is None or x <= hi)
-    where = "" if lo is None and hi is None else f" in {'' if lo is None else lo}..{'' if hi is None else hi}"
-    check(ok, f"{name}: expected an int{where}, got {x!r}"[:200])
+    if not ok:   # the message only on failure: torch.compile cannot repr a traced (symbolic) int
+        where = "" if lo is None and hi is None else f" in {'' if lo is None else lo}..{'' if hi is None else hi}"
+        raise ValueError(f"{name}: expected an int{where}, got {x!r}"[:200])
 
 
 def check_flag(name: str, x) -> None:

@@ -1,0 +1,196 @@
+"""The public ops as ``torch.library`` custom ops (``torch.ops.mla.*``), so ``torch.compile`` and
+CUDA graphs see each one as a single opaque call with known output shapes.
+
+Each op here is the body a public wrapper in ``mla.ops`` runs after its argument checks: the
+checks that read tensor *values* (lengths, block ids, offsets, slots; CPU tensors only), then
+the one dispatch (``mla.ops._impl``), the checks that depend on its choice (bfloat16 kernels
+refused under Triton's interpreter), and the kernel or reference call. The value checks live in
+the op rather than in the wrapper because the wrapper also runs while ``torch.compile`` traces,
+on FakeTensors that hold no values; inside the op they run whenever the op runs, eagerly or
+from a compiled graph, before anything is written. Each op has a fake implementation that
+allocates the outputs' shapes and dtypes and computes nothing (the only thing a trace needs).
+
+Arguments are the op's tensors plus host values of the types a ``torch.library`` schema holds
+(int, float, bool, str, int[], ScalarType, each optionally None). Outputs are fresh contiguous
+tensors (the fake implementations promise it, so every backend returns it). ``rope_append`` is
+the one op that writes its inputs: it declares q_pe, k_pe and kv_cache in ``mutates_args``.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from .. import quant
+from . import reference
+from ._checks import check, check_gather_values, check_interpretable, check_paged_values, check_writable, host_offsets
+
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
+           "quantize_act_1x128", "fp8_linear", "fp8_bmm", "OPS"]
+
+
+def _pick(op: str, backend: Optional[str], device: torch.device, cache_format: str = "plain", args: tuple = ()):
+    # mla.ops imports this module at its top, and defines _impl (the one dispatch) before any op runs
+    from . import _impl
+    return _impl(op, backend, device, cache_format, args)
+
+
+def _fresh(*tensors: Tensor):
+    """Outputs as the fake implementations describe them: contiguous (a no-op for most kernels;
+    the reference's partial-group quantization returns a column slice of a padded buffer)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+@custom_op("mla::mla_decode", mutates_args=())
+def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, head_dim_v: int,
+               softmax_scale: float, causal: bool, kv_scale: float, backend: Optional[str],
+               pdl: bool) -> Tuple[Tensor, Tensor]:
+    check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
+    fmt = quant.cache_format(kv_cache)
+    impl = _pick("mla_decode", backend, q.device, fmt)
+    check_interpretable("mla_decode", impl is reference.mla_decode, q.device, q, kv_cache)
+    options = {} if impl is reference.mla_decode else {"pdl": pdl}
+    if fmt == "plain":
+        return _fresh(*impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, **options))
+    return _fresh(*impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale,
+                        **options))
+
+
+@mla_decode.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale, backend, pdl):
+    B, s_q, H, _ = q.shape
+    return q.new_empty(B, s_q, H, head_dim_v), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+@custom_op("mla::prefill_attention", mutates_args=())
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      softmax_scale: float, causal: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                      offsets_q: Optional[List[int]], offsets_k: Optional[List[int]], backend: Optional[str],
+                      kernel: Optional[str]) -> Tuple[Tensor, Tensor]:
+    return _fresh(*run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
+                               max_seqlen_k, offsets_q, offsets_k, backend, kernel, None))
+
+
+@prefill_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k, offsets_q,
+      offsets_k, backend, kernel):
+    return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k,
+                offsets_q, offsets_k, backend, kernel, workspace):
+    """The body of ``mla::prefill_attention``; called directly (outside torch.library) with a
+    FlashInfer workspace object, which no op schema can hold."""
+    impl = _pick("prefill_attention", backend, q.device)
+    is_reference = impl is reference.prefill_attention
+    check_interpretable("prefill_attention", is_reference, q.device, q, k, v)
+    check(kernel is None or not is_reference,
+          f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
+    if q.device.type == "cpu" or is_reference:
+        # The offsets' values, checked on the one host copy this path makes anyway: free on CPU,
+        # and the reference reads them back on CUDA too (it takes this copy instead). The CUDA
+        # kernels' path copies none of them to the host, so there they are the caller's, as
+        # offsets_q/k are: checking them would add a stream sync.
+        offsets_q = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", offsets_q)
+        offsets_k = host_offsets("cu_seqlens_k", cu_seqlens_k, "Tk", k.shape[0], "offsets_k", offsets_k)
+    B = cu_seqlens_q.shape[0] - 1
+    if offsets_q is not None and max_seqlen_q is None:
+        max_seqlen_q = max(b - a for a, b in zip(offsets_q, offsets_q[1:])) if B else 0
+    if offsets_k is not None and max_seqlen_k is None:
+        max_seqlen_k = max(b - a for a, b in zip(offsets_k, offsets_k[1:])) if B else 0
+    options = {} if is_reference else {"kernel": kernel, "workspace": workspace}
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k,
+                offsets_q, offsets_k, **options)
+
+
+@custom_op("mla::merge_attention", mutates_args=())
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
+                    backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    return _fresh(*_pick("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b))
+
+
+@merge_attention.register_fake
+def _(out_a, lse_a, out_b, lse_b, backend):
+    return torch.empty_like(out_a, memory_format=torch.contiguous_format), \
+        torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+
+
+# ---- the latent cache -----------------------------------------------------------------------
+
+@custom_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache"))
+def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                slot_mapping: Tensor, interleave: bool, kv_scale: float, backend: Optional[str]) -> None:
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        check_writable(name, t)
+    if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
+        slots = kv_cache.shape[0] * kv_cache.shape[1]
+        bad = (slot_mapping >= slots).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative "
+                             f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
+    fmt = quant.cache_format(kv_cache)
+    impl = _pick("rope_append", backend, kv_cache.device, fmt, (q_pe, c_kv, kv_cache))
+    if fmt == "plain":
+        impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
+    else:
+        impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
+
+
+@rope_append.register_fake
+def _(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend):
+    return None
+
+
+@custom_op("mla::gather_latent", mutates_args=())
+def gather_latent(kv_cache: Tensor, block_table: Tensor, starts: Tensor, cu_seqlens: Tensor, num_tokens: int,
+                  backend: Optional[str]) -> Tensor:
+    check_gather_values(block_table, starts, cu_seqlens, num_tokens, kv_cache.shape[0], kv_cache.shape[1])
+    out = _pick("gather_latent", backend, kv_cache.device, "plain")(kv_cache, block_table, starts, cu_seqlens,
+                                                                     num_tokens)
+    return out.contiguous()
+
+
+@gather_latent.register_fake
+def _(kv_cache, block_table, starts, cu_seqlens, num_tokens, backend):
+    return kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
+
+
+# ---- block-scaled FP8 GEMMs -----------------------------------------------------------------
+
+@custom_op("mla::quantize_act_1x128", mutates_args=())
+def quantize_act_1x128(x: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    return _fresh(*_pick("quantize_act_1x128", backend, x.device)(x))
+
+
+@quantize_act_1x128.register_fake
+def _(x, backend):
+    M, K = x.shape
+    return x.new_empty(M, K, dtype=torch.float8_e4m3fn), x.new_empty(M, (K + 127) // 128, dtype=torch.float32)
+
+
+@custom_op("mla::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
+               backend: Optional[str]) -> Tensor:
+    return _pick("fp8_linear", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale_inv, out_dtype, backend):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+@custom_op("mla::fp8_bmm", mutates_args=())
+def fp8_bmm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
+            backend: Optional[str]) -> Tensor:
+    return _pick("fp8_bmm", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
+
+
+@fp8_bmm.register_fake
+def _(x, weight, weight_scale_inv, out_dtype, backend):
+    return x.new_empty(x.shape[0], x.shape[1], weight.shape[1], dtype=out_dtype)
+
+
+# name -> the registered op (torch.ops.mla.<name>.default): what tests run opcheck on
+OPS = {name: getattr(torch.ops.mla, name).default for name in __all__[:-1]}
