@@ -91,6 +91,37 @@ def fp8_bmm_args(g, backend):
     return (x, w, s), dict(backend=backend), (x, w, s, torch.float32, backend)
 
 
+def indexer_args(g, backend):
+    q, w = torch.randn(4, 3, 16, generator=g), torch.rand(4, 3, generator=g)
+    cache = torch.randn(8, 4, 16, generator=g)
+    cache[[1, 6]] = float("nan")                       # pages no sequence reaches
+    table, lens, cu = i32([5, 0, 3, 1], [7, 2, 4, 6]), i32(5, 9), i32(0, 1, 4)
+    return ((q, w, cache, table, lens, cu, 16, 0.25), dict(backend=backend),
+            (q, w, cache, table, lens, cu, 16, 0.25, True))
+
+
+def topk_args(g, backend):
+    logits = torch.randn(4, 16, generator=g)
+    logits[0, 5:] = float("-inf")                      # fewer visible keys than topk
+    table, cu = i32([5, 0, 3, 1], [7, 2, 4, 6]), i32(0, 1, 4)
+    return (logits, 6, table, cu, 4), dict(backend=backend), (logits, 6, table, cu, 4)
+
+
+def sparse_decode_args(g, backend):
+    q, kv = torch.randn(2, 2, 3, R + DR, generator=g), torch.randn(8, 4, R + DR, generator=g)
+    idx = torch.randint(0, 32, (2, 2, 5), generator=g, dtype=torch.int32)
+    idx[0, 1, 3:] = -1
+    idx[1, 0] = -1                                     # a query with no key
+    return (q, kv, idx, R, 0.2), dict(kv_scale=1.0, backend=backend), (q, kv, idx, R, 0.2, 1.0)
+
+
+def sparse_prefill_args(g, backend):
+    q, kv = torch.randn(5, 3, R + DR, generator=g), torch.randn(9, 1, R + DR, generator=g)
+    idx = torch.randint(0, 9, (5, 1, 4), generator=g, dtype=torch.int32)
+    idx[2, 0, 1:] = -1
+    return (q, kv, idx, 0.2, R), dict(backend=backend), (q, kv, idx, 0.2, R)
+
+
 CASES = {   # name -> (op, builder); Triton runs under its interpreter in float32 here
     "mla_decode": ("mla_decode", decode_args), "prefill_attention": ("prefill_attention", prefill_args),
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
@@ -99,6 +130,9 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "rope_append_fp8": ("rope_append", lambda g, b: rope_append_args(g, b, torch.float8_e4m3fn)),
     "gather_latent": ("gather_latent", gather_args), "quantize_act_1x128": ("quantize_act_1x128", quantize_args),
     "fp8_linear": ("fp8_linear", fp8_linear_args), "fp8_bmm": ("fp8_bmm", fp8_bmm_args),
+    "indexer_logits": ("indexer_logits", indexer_args), "topk_indices": ("topk_indices", topk_args),
+    "sparse_mla_decode": ("sparse_mla_decode", sparse_decode_args),
+    "sparse_prefill_attention": ("sparse_prefill_attention", sparse_prefill_args),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
 TRITON_OPCHECK = ("mla_decode", "merge_attention", "rope_append", "gather_latent", "quantize_act_1x128")
@@ -106,7 +140,8 @@ TRITON_OPCHECK = ("mla_decode", "merge_attention", "rope_append", "gather_latent
 
 def test_every_public_op_is_registered():
     assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
-                        "quantize_act_1x128", "fp8_linear", "fp8_bmm"}
+                        "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
+                        "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}
 
 

@@ -155,3 +155,15 @@ def check_gather_values(block_table, starts, cu_seqlens, num_tokens: int, num_bl
             check(0 <= table[b][j] < num_blocks, f"block_table: expected block ids in [0, {num_blocks}) for the "
                                                   f"blocks starts and cu_seqlens reach, got block_table[{b}, {j}] = "
                                                   f"{table[b][j]}")
+
+
+def check_index_values(name: str, indices: torch.Tensor, limit: int) -> None:
+    """CPU tensors only (on CUDA reading them back would sync the stream): every sparse index is
+    -1 (none) or a row in [0, limit)."""
+    if indices.device.type != "cpu" or not indices.numel():
+        return
+    bad = ((indices < -1) | (indices >= limit)).nonzero()
+    if bad.shape[0]:
+        at = tuple(bad[0].tolist())
+        raise ValueError(f"{name}: expected -1 (none) or indices in [0, {limit}), got {indices[at].item()} "
+                         f"at {list(at)}")

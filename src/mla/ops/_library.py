@@ -23,10 +23,12 @@ from torch.library import custom_op
 
 from .. import quant
 from . import reference
-from ._checks import check, check_gather_values, check_interpretable, check_paged_values, check_writable, host_offsets
+from ._checks import (check, check_gather_values, check_index_values, check_interpretable, check_paged_values,
+                      check_writable, host_offsets)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
-           "quantize_act_1x128", "fp8_linear", "fp8_bmm", "OPS"]
+           "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices", "sparse_mla_decode",
+           "sparse_prefill_attention", "OPS"]
 
 
 def _pick(op: str, backend: Optional[str], device: torch.device, cache_format: str = "plain", args: tuple = ()):
@@ -190,6 +192,65 @@ def fp8_bmm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torc
 @fp8_bmm.register_fake
 def _(x, weight, weight_scale_inv, out_dtype, backend):
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[1], dtype=out_dtype)
+
+
+# ---- sparse MLA (the reference serves every device until kernels exist) ----------------------
+
+@custom_op("mla::indexer_logits", mutates_args=())
+def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
+                   cu_seqlens_q: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool) -> Tensor:
+    check_paged_values(block_table, cache_seqlens, index_cache.shape[0], index_cache.shape[1])
+    if q.device.type == "cpu":
+        cq = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", None)
+        for b, n in enumerate(cache_seqlens.tolist()):
+            check(n <= max_seqlen_k, f"max_seqlen_k: expected >= every cache_seqlens, got {max_seqlen_k} "
+                                     f"< {n} (sequence {b})")
+            check(not causal or cq[b + 1] - cq[b] <= n,
+                  f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} queries "
+                  f"(causal), got {n} for sequence {b}")
+    return reference.indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k,
+                                    softmax_scale, causal).contiguous()
+
+
+@indexer_logits.register_fake
+def _(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale, causal):
+    return q.new_empty(q.shape[0], max_seqlen_k, dtype=torch.float32)
+
+
+@custom_op("mla::topk_indices", mutates_args=())
+def topk_indices(logits: Tensor, topk: int, block_table: Tensor, cu_seqlens_q: Tensor, block_size: int) -> Tensor:
+    if logits.device.type == "cpu":
+        host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", logits.shape[0], "offsets_q", None)
+    return reference.topk_indices(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
+
+
+@topk_indices.register_fake
+def _(logits, topk, block_table, cu_seqlens_q, block_size):
+    return logits.new_empty(logits.shape[0], topk, dtype=torch.int32)
+
+
+@custom_op("mla::sparse_mla_decode", mutates_args=())
+def sparse_mla_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, head_dim_v: int, softmax_scale: float,
+                      kv_scale: float) -> Tuple[Tensor, Tensor]:
+    check_index_values("indices", indices, kv_cache.shape[0] * kv_cache.shape[1])
+    return _fresh(*reference.sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale))
+
+
+@sparse_mla_decode.register_fake
+def _(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale):
+    B, s_q, H, _ = q.shape
+    return q.new_empty(B, s_q, H, head_dim_v), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+@custom_op("mla::sparse_prefill_attention", mutates_args=())
+def sparse_prefill_attention(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int) -> Tuple[Tensor, Tensor]:
+    check_index_values("indices", indices, kv.shape[0])
+    return _fresh(*reference.sparse_prefill_attention(q, kv, indices, sm_scale, d_v))
+
+
+@sparse_prefill_attention.register_fake
+def _(q, kv, indices, sm_scale, d_v):
+    return q.new_empty(q.shape[0], q.shape[1], d_v), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
 # name -> the registered op (torch.ops.mla.<name>.default): what tests run opcheck on
