@@ -20,11 +20,11 @@ import torch
 import hf_families as F
 import mla
 
-CASES = list(F.EXACT)
+CASES = list(F.EXACT) + ["deepseek_v32"]      # DeepSeek-V3.2: prompts of 5-9 tokens + 8 new, past its top-k
 CAUSAL_LM = dict(deepseek_v2="DeepseekV2ForCausalLM", deepseek_v3="DeepseekV3ForCausalLM", axk1="AXK1ForCausalLM",
                  youtu="YoutuForCausalLM", glm4_moe_lite="Glm4MoeLiteForCausalLM", mistral4="Mistral4ForCausalLM",
                  longcat_flash="LongcatFlashForCausalLM", minicpm3="MiniCPM3ForCausalLM",
-                 kimi_linear="KimiLinearForCausalLM")
+                 kimi_linear="KimiLinearForCausalLM", deepseek_v32="DeepseekV32ForCausalLM")
 # The model around the attention kept tiny: small MLPs, an MoE layer in DeepSeek-V3 (layer 1),
 # MiniCPM3's embedding and logit scales at 1 so that random weights give varied tokens.
 MODEL_OVERRIDES = dict(intermediate_size=32, moe_intermediate_size=16, first_k_dense_replace=1, scale_emb=1,
@@ -38,9 +38,13 @@ GENERATE_SEEDS = dict(mistral4_neox=1)
 LOGIT_TOL = 1e-4     # float32 logits after 2-4 layers; mla's attention differs from eager by ~1e-6
 
 
+def family_case(case: str):
+    return F.EXACT[case] if case in F.EXACT else F.SPARSE[case]
+
+
 def make_model(case: str, seed: int = 0):
     """The family's tiny ForCausalLM in float32: matrices std 2 / sqrt(fan_in), norms in [0.5, 1.5)."""
-    c = F.EXACT[case]
+    c = family_case(case)
     cfg = c.make_config()
     for k, v in MODEL_OVERRIDES.items():
         if hasattr(cfg, k) and k not in c.overrides:
@@ -91,7 +95,7 @@ def test_generate_matches_eager(case):
     tokens as the unpatched model; each request releases the previous one's blocks; unpatch
     restores the original modules."""
     model = make_model(case, seed=GENERATE_SEEDS.get(case, 0))
-    originals = [m for m in model.modules() if F.attention_class(F.EXACT[case]) is type(m)]
+    originals = [m for m in model.modules() if F.attention_class(family_case(case)) is type(m)]
     (ids1, mask1), (ids2, mask2) = prompts(1, seed=1), prompts(2, seed=2)
     ref1, ref2 = greedy(model, ids1, mask1), greedy(model, ids2, mask2)
     rows = ref1[:, ids1.shape[1]:].tolist() + ref2[:, ids2.shape[1]:].tolist()
@@ -99,7 +103,7 @@ def test_generate_matches_eager(case):
         f"{case}: greedy tokens {rows} barely vary: the test would be weak"
 
     handle = mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    assert len(stand_ins(model)) == len(originals) == NUM_MLA.get(case, F.EXACT[case].make_config().num_hidden_layers)
+    assert len(stand_ins(model)) == len(originals) == NUM_MLA.get(case, family_case(case).make_config().num_hidden_layers)
     total = handle.cache.num_free_blocks
     assert total == NUM_BLOCKS
     out1 = greedy(model, ids1, mask1)
@@ -114,7 +118,7 @@ def test_generate_matches_eager(case):
 
     handle.unpatch()
     assert not stand_ins(model)
-    assert [m for m in model.modules() if F.attention_class(F.EXACT[case]) is type(m)] == originals
+    assert [m for m in model.modules() if F.attention_class(family_case(case)) is type(m)] == originals
     assert greedy(model, ids2, mask2).tolist() == ref2.tolist()
 
 
@@ -198,7 +202,7 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "hy_v4"])
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4"])
 def test_refused_family(name):
     """A family from_hf refuses, or whose sparse indexer patch does not drive, is refused by
     patch, naming the model_type, before any change."""
