@@ -26,6 +26,7 @@ import torch
 from .. import quant
 from . import _library, reference
 from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_int, check_int_vector,
+                      check_latent_query_cache,
                       dense, describe, offsets_ok)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
@@ -95,24 +96,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     decode must stay capturable in a CUDA graph. Every tensor may have any strides (strided
     block_table and cache_seqlens are copied to a contiguous layout on the device: no sync).
     """
-    check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {describe(q)}")
-    check(q.dtype in FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
-    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
-        check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    B, s_q, H, d = q.shape
-    check_int("head_dim_v", head_dim_v, 1, d)
+    kv_cache, _ = check_latent_query_cache(q, kv_cache, head_dim_v)
+    B = q.shape[0]
     check_flag("causal", causal)
     check_flag("pdl", pdl)
-    check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
-    fmt = quant.cache_format(kv_cache)
-    width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
-    check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
-           f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
-    check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
-    check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
-           f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
-    check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] == B
            and block_table.dtype == torch.int32,
            f"block_table: expected [{B}, max_blocks] int32, got {describe(block_table)}")

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .. import quant
+
 FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -167,3 +169,26 @@ def check_index_values(name: str, indices: torch.Tensor, limit: int) -> None:
         at = tuple(bad[0].tolist())
         raise ValueError(f"{name}: expected -1 (none) or indices in [0, {limit}), got {indices[at].item()} "
                          f"at {list(at)}")
+
+
+def check_latent_query_cache(q, kv_cache, head_dim_v):
+    """The absorbed query q [B, s_q, H, d] and a paged latent cache of one of the row formats
+    (``mla.quant``), as mla_decode and sparse_mla_decode take them; a [num_blocks, block_size,
+    1, d] cache is viewed as 3-D. Returns (kv_cache, its format)."""
+    check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {describe(q)}")
+    check(q.dtype in FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
+        check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    d = q.shape[-1]
+    check_int("head_dim_v", head_dim_v, 1, d)
+    check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
+    fmt = quant.cache_format(kv_cache)
+    width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
+    check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
+          f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
+    check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+    check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
+          f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
+    check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
+    return kv_cache, fmt

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import quant
 from . import _library, resolve_backend
-from ._checks import FLOAT, as_float, check, check_flag, check_int, check_int_vector, dense, describe
+from ._checks import (FLOAT, as_float, check, check_flag, check_int, check_int_vector, check_latent_query_cache,
+                      dense, describe)
 
 __all__ = ["indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 
@@ -110,22 +110,8 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_sca
     Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32 (a query with
     no index: out 0, lse -inf).
     """
-    check(isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in FLOAT,
-          f"q: expected float [B, s_q, H, d], got {describe(q)}")
-    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
-        check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    B, s_q, H, d = q.shape
-    check_int("head_dim_v", head_dim_v, 1, d)
-    check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
-    fmt = quant.cache_format(kv_cache)
-    width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
-    check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
-          f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
-    check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
-    check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
-          f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
-    check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
+    kv_cache, _ = check_latent_query_cache(q, kv_cache, head_dim_v)
+    B, s_q = q.shape[:2]
     check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
           f"indices: expected int32 [{B}, {s_q}, topk], got {describe(indices)}")
     _check_indices("indices", indices, (B, s_q, indices.shape[-1]), q.device)
