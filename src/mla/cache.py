@@ -5,9 +5,9 @@ per layer. Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a seq
 an ordered list of blocks. With a sparse indexer (DeepSeek Sparse Attention) each token also
 keeps the indexer's key, ``index_kv [num_layers, num_blocks, block_size, index_head_dim]``,
 at the same block and offset as its latent row: the bookkeeping below (fork, truncate,
-copy-on-write, release) moves block ids, so it carries both. Blocks carry reference counts: ``fork`` shares every block of
-the source, and the first write into a shared, partly filled block copies it first
-(copy-on-write), so full shared blocks are never copied.
+copy-on-write, release) moves block ids, so it carries both. Blocks carry reference counts:
+``fork`` shares every block of the source, and the first write into a shared, partly filled
+block copies it first (copy-on-write), so full shared blocks are never copied.
 
 Every public method checks all of its input before it changes anything: a call that
 raises leaves the cache exactly as it was.
