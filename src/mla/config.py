@@ -66,6 +66,7 @@ class RopeScaling:
 
 
 ROPE_TYPES = ("default", "yarn", "none")
+OUTPUT_GATES = (None, "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,17 @@ class MLAConfig:
     # GLM-5's indexer_types: the layers that reuse the top-k of the nearest earlier layer with an
     # indexer ("shared") instead of running their own; empty: every layer runs its indexer
     index_shared_layers: tuple[int, ...] = ()
+    # Hy4's indexer rotates the *last* qk_rope_head_dim values of its head (DeepSeek-V3.2 and
+    # GLM-5 the first)
+    index_rope_last: bool = False
+    # Attention sinks (Hy4): one learnable logit per head (checkpoint tensor ``sinks`` [H]) in the
+    # softmax's denominator, FlashMLA's attn_sink. Only the sparse ops take a sink, so a config
+    # with sinks needs a sparse indexer and every sequence takes the sparse path (up to
+    # index_topk keys the top-k selects every key: the same attention as the dense paths).
+    attention_sinks: bool = False
+    # The output gate applied per head to the attention output before o_proj (MLA.output_gate):
+    # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4)
+    output_gate: str | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -144,6 +156,14 @@ class MLAConfig:
                              f"{self.attention_bias!r}")
         if self.q_lora_scale != 1.0 and self.q_lora_rank is None:
             raise ValueError("q_lora_scale: expected 1.0 without a q_lora_rank (it scales q_b_proj's output)")
+        if self.output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate: expected one of {OUTPUT_GATES}, got {self.output_gate!r}")
+        if not isinstance(self.attention_sinks, bool) or not isinstance(self.index_rope_last, bool):
+            raise ValueError(f"attention_sinks, index_rope_last: expected bools, got {self.attention_sinks!r}, "
+                             f"{self.index_rope_last!r}")
+        if self.attention_sinks and self.index_topk is None:
+            raise ValueError("attention_sinks: expected a sparse indexer (index_topk) with them: only the sparse "
+                             "path takes a sink")
         m = self.mla_layers
         if m is not None and (not isinstance(m, tuple)
                               or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in m)):
