@@ -5,7 +5,8 @@ models), kv_lora_rank r, qk_nope_head_dim dn, qk_rope_head_dim dr, v_head_dim dv
 
 ``from_hf`` reads every MLA family transformers ships (``families.py`` knows how). What a
 family's attention does beyond DeepSeek-V3's is either a field here (RoPE pairing and type, a
-query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer) or
+query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer, Hy4's
+attention sinks and output gate) or
 refused with ``NotImplementedError`` naming the feature and the ``model_type``.
 """
 from __future__ import annotations
@@ -239,7 +240,8 @@ class MLAConfig:
         """From a config.json dict or a transformers PretrainedConfig of an MLA family (see
         ``mla.families``). Raises ValueError for a config without MLA fields or with invalid values, and
         NotImplementedError naming the feature and the model_type for what the library does not
-        implement (a sparse indexer outside DeepSeek-V3.2 and GLM-5, an output gate, attention sinks, a RoPE type)."""
+        implement (a sparse indexer outside DeepSeek-V3.2, GLM-5 and Hy4, an output gate or attention
+        sinks outside Hy4, a RoPE type)."""
         fields = families.config_fields(hf_config)
         scaling = fields.pop("rope_scaling")
         return cls(rope_scaling=None if scaling is None else RopeScaling(**scaling), **fields)

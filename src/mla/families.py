@@ -1,8 +1,8 @@
 """What each MLA family's transformers config says beyond DeepSeek-V3's, and how
 ``MLAConfig.from_hf`` reads it: RoPE pairing and type, a query temperature, LongCat's latent
-scales, the layers that are MLA, the sparse indexer; and what the library refuses, by name
-(``NotImplementedError`` naming the feature and the ``model_type``): a config key that changes
-the attention is never ignored.
+scales, the layers that are MLA, the sparse indexer, Hy4's sinks and output gate; and what the
+library refuses, by name (``NotImplementedError`` naming the feature and the ``model_type``): a
+config key that changes the attention is never ignored.
 """
 from __future__ import annotations
 
