@@ -161,6 +161,11 @@ SPARSE = {
     "glm_moe_dsa": Case("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaAttention",
                         "GlmMoeDsaRotaryEmbedding",
                         dict(rope_parameters=_default(), num_attention_heads=3, v_head_dim=24, **_DSA)),
+    # Hy4: neox pairs in the attention and the indexer, whose RoPE is on the last dr values; the
+    # indexer's key norm eps is rms_norm_eps (1e-5 here); a sink logit per head; a sigmoid gate
+    "hy_v4": Case("hy_v4", "hy_v4", "HYV4Config", "HYV4Attention", "HYV4RotaryEmbedding",
+                  dict(rope_parameters=_default(), rms_norm_eps=1e-5, index_topk=8, index_n_heads=8,
+                       index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2)),
 }
 
 
@@ -178,6 +183,8 @@ def make_attention(case: Case, hf_config, seed: int):
             p.copy_(0.5 + torch.rand(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        elif name == "sinks":          # Hy4: logits of the size of the scores', so that they matter
+            p.copy_(1.0 + 2.0 * torch.randn(p.shape, generator=g))
         else:
             p.copy_(torch.randn(p.shape, generator=g) * (WEIGHT_GAIN / math.sqrt(p.shape[1])))
     rotary = _cls(case.module, case.rotary_cls)(hf_config) if case.rotary_cls else None
@@ -331,10 +338,6 @@ REFUSED = {
                             index_topk=32, index_head_dim=16, index_n_heads=2, n_routed_experts=4,
                             num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4),
                        ("index", "qk_rope_head_dim", "linear")),
-    "hy_v4": ("hy_v4", "HYV4Config",
-              dict(_BASE, num_key_value_heads=4, head_dim=24, index_topk=8, index_head_dim=16, index_n_heads=2,
-                   n_routed_experts=4, num_experts_per_tok=2),
-              ("gate", "sink", "index")),
     "axk2": ("axk2", "AXK2Config",
              dict(_BASE, num_key_value_heads=4, head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
                   n_routed_experts=4, num_experts_per_tok=2),

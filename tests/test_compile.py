@@ -107,19 +107,21 @@ def topk_args(g, backend):
     return (logits, 6, table, cu, 4), dict(backend=backend), (logits, 6, table, cu, 4)
 
 
-def sparse_decode_args(g, backend):
+def sparse_decode_args(g, backend, sink=False):
     q, kv = torch.randn(2, 2, 3, R + DR, generator=g), torch.randn(8, 4, R + DR, generator=g)
     idx = torch.randint(0, 32, (2, 2, 5), generator=g, dtype=torch.int32)
     idx[0, 1, 3:] = -1
     idx[1, 0] = -1                                     # a query with no key
-    return (q, kv, idx, R, 0.2), dict(kv_scale=1.0, backend=backend), (q, kv, idx, R, 0.2, 1.0)
+    s = torch.randn(3, generator=g) if sink else None   # attention sinks (Hy4), one logit per head
+    return (q, kv, idx, R, 0.2), dict(kv_scale=1.0, attn_sink=s, backend=backend), (q, kv, idx, R, 0.2, 1.0, s)
 
 
-def sparse_prefill_args(g, backend):
+def sparse_prefill_args(g, backend, sink=False):
     q, kv = torch.randn(5, 3, R + DR, generator=g), torch.randn(9, 1, R + DR, generator=g)
     idx = torch.randint(0, 9, (5, 1, 4), generator=g, dtype=torch.int32)
     idx[2, 0, 1:] = -1
-    return (q, kv, idx, 0.2, R), dict(backend=backend), (q, kv, idx, 0.2, R)
+    s = torch.randn(3, generator=g) if sink else None
+    return (q, kv, idx, 0.2, R), dict(attn_sink=s, backend=backend), (q, kv, idx, 0.2, R, s)
 
 
 CASES = {   # name -> (op, builder); Triton runs under its interpreter in float32 here
@@ -133,6 +135,8 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "indexer_logits": ("indexer_logits", indexer_args), "topk_indices": ("topk_indices", topk_args),
     "sparse_mla_decode": ("sparse_mla_decode", sparse_decode_args),
     "sparse_prefill_attention": ("sparse_prefill_attention", sparse_prefill_args),
+    "sparse_mla_decode_sink": ("sparse_mla_decode", lambda g, b: sparse_decode_args(g, b, sink=True)),
+    "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
 TRITON_OPCHECK = ("mla_decode", "merge_attention", "rope_append", "gather_latent", "quantize_act_1x128")

@@ -1,5 +1,6 @@
 """Sparse MLA (DeepSeek Sparse Attention): the ops against straightforward oracles, and the
-layer exact against transformers' DeepseekV32Attention and GlmMoeDsaAttention past index_topk.
+layer exact against transformers' DeepseekV32Attention, GlmMoeDsaAttention and HYV4Attention
+past index_topk.
 
 Layer oracle: the family's module in float64 over each whole sequence (tests/hf_families.py,
 SPARSE cases: index_topk 8, prompts up to 40 tokens), through the public API only.
@@ -206,7 +207,8 @@ def test_from_hf_reads_the_indexer(name):
     for source in ("object", "dict"):
         cfg = mla.MLAConfig.from_hf(F.config_source(hf_cfg, source))
         assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (8, 8, 16)
-        assert cfg.index_rope_interleave == (name == "glm_moe_dsa") and cfg.rope_interleave
+        assert cfg.index_rope_interleave == (name == "glm_moe_dsa")
+        assert cfg.rope_interleave == (name != "hy_v4") and cfg.index_rope_last == (name == "hy_v4")
         assert cfg.index_weights_scale == pytest.approx(8 ** -0.5)
         attn, _ = F.make_attention(F.SPARSE[name], hf_cfg, 0)
         assert cfg.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
@@ -327,7 +329,7 @@ def test_chunked_prefill_and_workspace_bound(name):
         assert c.num_rows * c.max_seqlen_k <= 16 * h.cfg.index_head_dim or c.num_rows == 1
         assert c.num_rows <= max(1, 16 // h.cfg.index_topk)
     h.step([(1, 6), (0, 1), (2, 20)], on_batch=lambda b: plans.append(h.layer.plan(b)))
-    assert plans[-1].strategy == ["prefill", "sparse", "sparse"]
+    assert plans[-1].strategy == ["sparse" if h.cfg.attention_sinks else "prefill", "sparse", "sparse"]
     h.step([(1, 3), (2, 1)])           # seq 1: 9 keys > 8 from here on
     assert max(h.errors) <= FP32_TOL
 
@@ -342,7 +344,8 @@ def test_short_sequences_dense_path_is_identical(name):
         plans = []
         o1, _ = h.step([(0, 6)], on_batch=lambda b: plans.append(h.layer.plan(b)))
         o2, _ = h.step([(0, 2)], on_batch=lambda b: plans.append(h.layer.plan(b)))
-        assert [p.strategy[0] for p in plans] == (["prefill", "absorbed"] if strategy is None else ["sparse"] * 2)
+        dense = strategy is None and not h.cfg.attention_sinks     # sinks: always the sparse path
+        assert [p.strategy[0] for p in plans] == (["prefill", "absorbed"] if dense else ["sparse"] * 2)
         outs.append(torch.cat([o1, o2]))
     assert rel_err(outs[1], outs[0]) <= 1e-6
 

@@ -5,7 +5,8 @@ models), kv_lora_rank r, qk_nope_head_dim dn, qk_rope_head_dim dr, v_head_dim dv
 
 ``from_hf`` reads every MLA family transformers ships (``families.py`` knows how). What a
 family's attention does beyond DeepSeek-V3's is either a field here (RoPE pairing and type, a
-query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer) or
+query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer, Hy4's
+attention sinks and output gate) or
 refused with ``NotImplementedError`` naming the feature and the ``model_type``.
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RopeScaling:
 
 
 ROPE_TYPES = ("default", "yarn", "none")
+OUTPUT_GATES = (None, "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,17 @@ class MLAConfig:
     # GLM-5's indexer_types: the layers that reuse the top-k of the nearest earlier layer with an
     # indexer ("shared") instead of running their own; empty: every layer runs its indexer
     index_shared_layers: tuple[int, ...] = ()
+    # Hy4's indexer rotates the *last* qk_rope_head_dim values of its head (DeepSeek-V3.2 and
+    # GLM-5 the first)
+    index_rope_last: bool = False
+    # Attention sinks (Hy4): one learnable logit per head (checkpoint tensor ``sinks`` [H]) in the
+    # softmax's denominator, FlashMLA's attn_sink. Only the sparse ops take a sink, so a config
+    # with sinks needs a sparse indexer and every sequence takes the sparse path (up to
+    # index_topk keys the top-k selects every key: the same attention as the dense paths).
+    attention_sinks: bool = False
+    # The output gate applied per head to the attention output before o_proj (MLA.output_gate):
+    # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4)
+    output_gate: str | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -144,6 +157,14 @@ class MLAConfig:
                              f"{self.attention_bias!r}")
         if self.q_lora_scale != 1.0 and self.q_lora_rank is None:
             raise ValueError("q_lora_scale: expected 1.0 without a q_lora_rank (it scales q_b_proj's output)")
+        if self.output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate: expected one of {OUTPUT_GATES}, got {self.output_gate!r}")
+        if not isinstance(self.attention_sinks, bool) or not isinstance(self.index_rope_last, bool):
+            raise ValueError(f"attention_sinks, index_rope_last: expected bools, got {self.attention_sinks!r}, "
+                             f"{self.index_rope_last!r}")
+        if self.attention_sinks and self.index_topk is None:
+            raise ValueError("attention_sinks: expected a sparse indexer (index_topk) with them: only the sparse "
+                             "path takes a sink")
         m = self.mla_layers
         if m is not None and (not isinstance(m, tuple)
                               or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in m)):
@@ -219,7 +240,8 @@ class MLAConfig:
         """From a config.json dict or a transformers PretrainedConfig of an MLA family (see
         ``mla.families``). Raises ValueError for a config without MLA fields or with invalid values, and
         NotImplementedError naming the feature and the model_type for what the library does not
-        implement (a sparse indexer outside DeepSeek-V3.2 and GLM-5, an output gate, attention sinks, a RoPE type)."""
+        implement (a sparse indexer outside DeepSeek-V3.2, GLM-5 and Hy4, an output gate or attention
+        sinks outside Hy4, a RoPE type)."""
         fields = families.config_fields(hf_config)
         scaling = fields.pop("rope_scaling")
         return cls(rope_scaling=None if scaling is None else RopeScaling(**scaling), **fields)

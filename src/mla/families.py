@@ -1,8 +1,8 @@
 """What each MLA family's transformers config says beyond DeepSeek-V3's, and how
 ``MLAConfig.from_hf`` reads it: RoPE pairing and type, a query temperature, LongCat's latent
-scales, the layers that are MLA, the sparse indexer; and what the library refuses, by name
-(``NotImplementedError`` naming the feature and the ``model_type``): a config key that changes
-the attention is never ignored.
+scales, the layers that are MLA, the sparse indexer, Hy4's sinks and output gate; and what the
+library refuses, by name (``NotImplementedError`` naming the feature and the ``model_type``): a
+config key that changes the attention is never ignored.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def config_fields(hf_config: Any) -> dict:
         raise ValueError(f"hf_config: expected MLA fields {missing} (an MLA family's config), "
                          f"got model_type {model_type!r} without them")
     family = FAMILIES.get(model_type, {})
-    _refuse_unimplemented(c, model_type, _INDEXER_KEYS if family.get("indexer") else ())
+    _refuse_unimplemented(c, model_type, (_INDEXER_KEYS if family.get("indexer") else ())
+                          + (("learnable_sink_init",) if family.get("sinks") else ()))
     rope = _rope_parameters(c)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
@@ -71,6 +72,7 @@ def config_fields(hf_config: Any) -> dict:
         temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
         mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False), bool(family.get("indexer"))),
         **scales, **(_indexer(c, model_type, family["indexer"]) if family.get("indexer") else {}),
+        **_hy4_fields(c, family),
         name=str(c.get("_name_or_path") or model_type))
 
 
@@ -90,13 +92,16 @@ FAMILIES: dict[str, dict] = {
     # DeepSeek Sparse Attention: the main attention always interleaved; indexer: its RoPE pairing
     "deepseek_v32": {"interleave": True, "indexer": "neox"},
     "glm_moe_dsa": {"interleave": True, "indexer": "interleave"},
+    # Hy4: neox pairs in both; the indexer rotates the last dr values of its head and its key
+    # LayerNorm uses rms_norm_eps; a learnable sink per head and a sigmoid output gate
+    "hy_v4": {"interleave": False, "indexer": "neox", "index_rope_last": True, "index_norm_eps": True,
+              "sinks": True, "gate": "sigmoid"},
 }
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
 REFUSED: dict[str, str] = {
     "glm5_next": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
     "glm5_next_text": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
-    "hy_v4": "the sigmoid output gate (gate_proj), attention sinks and the sparse indexer",
     "axk2": "the fused q_gate_proj, the output gate and the sparse indexer",
     "deepseek_v4": "DeepSeek-V4's attention (one 512-wide KV head with compressed and sliding-window "
                    "layers: not MLA)",
@@ -215,6 +220,20 @@ def _indexer(c: dict, model_type: str, pairing: str) -> dict:
                              f"layer's top-k), got {types[0]!r}")
         shared = tuple(i for i, t in enumerate(types) if t == "shared")
     return dict(out, index_rope_interleave=pairing == "interleave", index_shared_layers=shared)
+
+
+def _hy4_fields(c: dict, family: dict) -> dict:
+    """Hy4's attention beyond DeepSeek-V3.2's (families.FAMILIES["hy_v4"])."""
+    out = {}
+    if family.get("index_rope_last"):
+        out["index_rope_last"] = True
+    if family.get("index_norm_eps"):
+        out["index_k_norm_eps"] = _number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
+    if family.get("sinks"):
+        out["attention_sinks"] = True
+    if family.get("gate"):
+        out["output_gate"] = family["gate"]
+    return out
 
 
 def _mla_layers(c: dict, model_type: str, kimi: bool, sparse: bool = False) -> tuple[int, ...] | None:

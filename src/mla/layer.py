@@ -14,6 +14,7 @@ One step, for the T new tokens of a batch:
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
     or with a sparse indexer past index_topk keys: the indexer's top-k keys only (sparse.py)
+    attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x))
     out          = o_proj(attn [T, H * dv])
 """
 from __future__ import annotations
@@ -70,6 +71,9 @@ class MLA(nn.Module):
                              f"{list(cfg.mla_layers)})")
         if strategy is not None and strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES} or None, got {strategy!r}")
+        if cfg.attention_sinks and strategy not in (None, "sparse"):
+            raise ValueError(f"strategy: {cfg.name!r} has attention sinks, which only the 'sparse' path serves; "
+                             f"expected None or 'sparse', got {strategy!r}")
         if strategy == "sparse" and not cfg.has_indexer:
             raise ValueError(f"strategy: 'sparse' needs a config with a sparse indexer (index_topk), {cfg.name!r} "
                              "has none")
@@ -110,6 +114,11 @@ class MLA(nn.Module):
         self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
         self.w_o = param(D, self.num_slice_heads * dv)
         self.b_o = param(D) if cfg.attention_bias else None
+        # Hy4: a sink logit per TP head (float32, as the sparse ops take it) and the output gate's
+        # projection for this rank's head slice
+        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device), requires_grad=False) \
+            if cfg.attention_sinks else None
+        self.w_gate = param(self.num_slice_heads * dv, D) if cfg.output_gate is not None else None
         # block scales of w_q_b / w_o where they are kept in FP8 (see load_hf_state_dict)
         self.register_buffer("w_q_b_scale", None, persistent=False)
         self.register_buffer("w_o_scale", None, persistent=False)
@@ -177,6 +186,10 @@ class MLA(nn.Module):
         self._set_weight("w_o", w["o_proj.weight"], kept["o_proj.weight"])
         if self.b_o is not None:
             self.b_o.copy_(w["o_proj.bias"])
+        if self.sinks is not None:
+            self.sinks.copy_(w["sinks"])
+        if self.w_gate is not None:
+            self.w_gate.copy_(w["gate_proj.weight"])
         if self.has_own_indexer:
             for attr, name in (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
                                ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
@@ -223,6 +236,19 @@ class MLA(nn.Module):
         # through an [N, H_s, dn + dv] temporary.
         absorbed.bmm_into(x, W_UK[heads].mT, k_nope.transpose(0, 1))
         absorbed.bmm_into(x, W_UV[heads].mT, v.transpose(0, 1))
+
+    def output_gate(self, hidden_states: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The gate on the attention output, per head, before o_proj: hidden_states [T, D] and
+        attn [T, H_s, dv] (this rank's head slice, after the Helix exchange under CP: a per-head,
+        per-token factor commutes with the LSE combine) -> attn gated, same shape and dtype.
+
+        The identity unless the config has an ``output_gate``: "sigmoid" is Hy4's
+        attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] loaded as ``w_gate``. A
+        subclass may override it for another family's gate (TensorRT-LLM's _apply_output_gate)."""
+        if self.cfg.output_gate is None:
+            return attn
+        gate = F.linear(hidden_states, self.w_gate).view(attn.shape)
+        return attn * torch.sigmoid(gate)
 
     def plan(self, batch: Batch) -> Plan:
         """The step's strategy plan (strategy.py) for this layer's workspace and ``strategy``:
@@ -304,6 +330,7 @@ class MLA(nn.Module):
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         if plan.sparse:
             sparse.attend(self, q, index_qkw, shared, plan.sparse, batch, kv_cache, attn)
+        attn = self.output_gate(hidden_states, attn)
         out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

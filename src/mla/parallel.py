@@ -117,7 +117,8 @@ class Parallel:
 
 def _share(name: str, shape, cfg: MLAConfig, parallel: Parallel):
     """(dim, start, stop) of this rank's share of a full weight, or None where it is replicated:
-    q_b_proj/q_proj/kv_b_proj rows of its TP heads, o_proj columns of its head slice."""
+    q_b_proj/q_proj/kv_b_proj rows and sinks of its TP heads, o_proj columns and gate_proj rows of
+    its head slice."""
     H, tp, cp = cfg.num_heads, parallel.tp_size, parallel.cp_size
     H_tp, H_s = H // tp, H // tp // cp
     h0 = parallel.tp_rank * H_tp
@@ -127,6 +128,10 @@ def _share(name: str, shape, cfg: MLAConfig, parallel: Parallel):
         return 0, h0 * per, (h0 + H_tp) * per
     if name == "o_proj.weight":
         return 1, s0 * cfg.v_head_dim, (s0 + H_s) * cfg.v_head_dim
+    if name == "gate_proj.weight":   # gates the head slice's attention output, as o_proj reads it
+        return 0, s0 * cfg.v_head_dim, (s0 + H_s) * cfg.v_head_dim
+    if name == "sinks":              # the sparse attention runs this rank's TP heads
+        return 0, h0, h0 + H_tp
     return None
 
 

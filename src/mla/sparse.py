@@ -4,7 +4,8 @@ picks index_topk keys per query token, and the token attends to those only.
 Notation as in layer.py, plus n = index_n_heads, d = index_head_dim, k = index_topk:
 
     q_idx  = rope(wq_b(q_a_norm(q_a)))      [T, n, d]   RoPE on the first dr values (neox in
-    k_idx  = rope(LayerNorm(wk(x)))         [T, d]      DeepSeek-V3.2, interleaved in GLM-5)
+    k_idx  = rope(LayerNorm(wk(x)))         [T, d]      DeepSeek-V3.2, interleaved in GLM-5;
+                                                        neox on the last dr values in Hy4)
     w      = weights_proj(x) * n^-0.5       [T, n]      float32
     cache.index_keys[slot] = k_idx                       beside the latent row of the token
     per chunk of queries (strategy.sparse_chunks):
@@ -37,10 +38,12 @@ def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor
     T, n, d, dr = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q = F.linear(q_a, layer.w_idx_q).view(T, n, d)
     k = F.layer_norm(F.linear(x, layer.w_idx_k), (d,), layer.idx_k_norm_w, layer.idx_k_norm_b, cfg.index_k_norm_eps)
-    # RoPE on the first dr values; the pairing is the same for q and k, so their dot products
-    # do not depend on the layout it leaves (transformers' GLM indexer de-interleaves, this keeps it)
-    q = torch.cat((apply_rope(q[..., :dr], cos, sin, cfg.index_rope_interleave), q[..., dr:]), -1)
-    k = torch.cat((apply_rope(k[:, :dr], cos, sin, cfg.index_rope_interleave), k[:, dr:]), -1)
+    # RoPE on the first dr values (the last in Hy4); the pairing is the same for q and k, so their
+    # dot products do not depend on the layout it leaves (transformers' GLM indexer
+    # de-interleaves, this keeps it)
+    rot = slice(d - dr, d) if cfg.index_rope_last else slice(0, dr)
+    q[..., rot] = apply_rope(q[..., rot], cos, sin, cfg.index_rope_interleave)
+    k[:, rot] = apply_rope(k[:, rot], cos, sin, cfg.index_rope_interleave)
     w = F.linear(x, layer.w_idx_w).float() * cfg.index_weights_scale
     return q, k, w
 
@@ -97,5 +100,6 @@ def attend(layer, q, index_qkw, indices, chunks: list[SparseChunk], batch: Batch
         qc = q[chunk.rows]
         q_full = absorb_query(layer, qc[..., :dn], qc[..., dn:])                   # [rows, H, r + dr]
         o_lat, _ = ops.sparse_mla_decode(q_full.unsqueeze(1), kv_cache, idx.unsqueeze(1), r, cfg.softmax_scale,
-                                         kv_scale=batch.cache.kv_scale, backend=layer.op_backend)
+                                         kv_scale=batch.cache.kv_scale, attn_sink=layer.sinks,
+                                         backend=layer.op_backend)
         out[chunk.rows] = apply_uv(o_lat[:, 0].to(layer.dtype), layer.W_UV)

@@ -128,7 +128,9 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
             s = "chunked" if force == "cached" and c > max_workspace_tokens else force
         if cp_size > 1 and s in ("cached", "chunked"):
             s = "absorbed"
-        if s is not None and cfg.has_indexer and (c + n > cfg.index_topk or force == "sparse"):
+        # attention sinks exist in the sparse ops only: every sequence of such a config is sparse
+        if s is not None and cfg.has_indexer and (c + n > cfg.index_topk or force == "sparse"
+                                                  or cfg.attention_sinks):
             s = "sparse"
         strategy.append(s)
     plan = Plan(strategy)

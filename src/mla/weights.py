@@ -26,7 +26,8 @@ FP8_BLOCK = 128
 def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
     """Expected shape of every tensor of one attention layer, by HF name (no prefix). With a
     sparse indexer (DeepSeek-V3.2, GLM-5) the layer's ``indexer.*`` tensors too, unless the layer
-    reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer)."""
+    reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer); with attention sinks
+    ``sinks`` [H], with an output gate ``gate_proj.weight`` [H * dv, D] (Hy4)."""
     H, D = cfg.num_heads, cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {}
     if cfg.q_lora_rank is None:
@@ -51,6 +52,10 @@ def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int,
         shapes["indexer.k_norm.weight"] = (d,)                     # a LayerNorm: weight and bias
         shapes["indexer.k_norm.bias"] = (d,)
         shapes["indexer.weights_proj.weight"] = (n, D)
+    if cfg.attention_sinks:
+        shapes["sinks"] = (H,)                                     # one logit per head (Hy4)
+    if cfg.output_gate is not None:
+        shapes["gate_proj.weight"] = (H * cfg.v_head_dim, D)       # per head: dv gate values
     return shapes
 
 

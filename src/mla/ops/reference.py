@@ -283,22 +283,37 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
     return out
 
 
-def _sparse_attend(q, rows, valid, head_dim_v, softmax_scale):
+def _sparse_attend(q, rows, valid, head_dim_v, softmax_scale, attn_sink=None):
     """q [N, H, d], rows [N, topk, d] float32, valid [N, topk] bool -> out [N, H, head_dim_v]
     float32, lse [N, H] float32: softmax over each query's valid rows (invalid rows weigh 0,
-    whatever they hold)."""
+    whatever they hold). ``attn_sink`` [H] float32: one more logit per head in the softmax's
+    denominator, with a zero value (``_with_sink``)."""
     rows = torch.where(valid[..., None], rows, 0.0)
     scores = (q.float() @ rows.transpose(1, 2)) * softmax_scale                      # [N, H, topk]
-    return softmax_attend(scores, valid[:, None, :], rows[..., :head_dim_v])
+    out, lse = softmax_attend(scores, valid[:, None, :], rows[..., :head_dim_v])
+    return (out, lse) if attn_sink is None else _with_sink(out, lse, attn_sink)
 
 
-def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale=1.0):
+def _with_sink(out, lse, attn_sink):
+    """FlashMLA's attn_sink: the sink s_h joins the softmax as a key whose value is 0, so
+    lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse'). A query with no key gets
+    out 0 and lse = s_h (the sink alone); a sink of -inf is no sink."""
+    sink = attn_sink.float().expand_as(lse)
+    total = torch.logaddexp(lse, sink)
+    # where both are -inf (no key, sink -inf) keep lse -inf and out 0, never NaN
+    w = torch.where(torch.isneginf(total), 0.0, torch.exp(lse - total))
+    return out * w[..., None], total
+
+
+def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_sink=None):
     """Absorbed MLA attention of each query over the cache rows its ``indices`` name.
 
     q [B, s_q, H, d]; kv_cache [num_blocks, block_size, d] (plain, or FP8 rows: see mla_decode);
     indices [B, s_q, topk] int32 flat slots (block * block_size + offset), -1 = none. Values
-    are the first head_dim_v values of each row. Returns out [B, s_q, H, head_dim_v] (q.dtype)
-    and lse [B, s_q, H] float32; a query with no index gets out 0, lse -inf.
+    are the first head_dim_v values of each row. ``attn_sink`` [H] float32 or None: a logit per
+    head in the softmax's denominator only (``_with_sink``). Returns out [B, s_q, H, head_dim_v]
+    (q.dtype) and lse [B, s_q, H] float32; a query with no index gets out 0, lse -inf (the sink
+    with one).
     """
     B, s_q, H, d = q.shape
     topk = indices.shape[-1]
@@ -308,19 +323,20 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale=
     stored = flat[idx.clamp(min=0).flatten()]
     rows = dequantize_rows(stored, cache_format(kv_cache), head_dim_v, torch.float32, kv_scale)
     out, lse = _sparse_attend(q.reshape(B * s_q, H, d), rows.view(B * s_q, topk, d), valid, head_dim_v,
-                              softmax_scale)
+                              softmax_scale, attn_sink)
     return out.view(B, s_q, H, head_dim_v).to(q.dtype), lse.view(B, s_q, H)
 
 
-def sparse_prefill_attention(q, kv, indices, sm_scale, d_v):
+def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, attn_sink=None):
     """FlashMLA's ``flash_mla_sparse_fwd``: q [s_q, H, d], kv [s_kv, 1, d], indices
-    [s_q, 1, topk] int32 rows of kv (-1 = none); values are the first d_v values of each row.
-    Returns out [s_q, H, d_v] (q.dtype) and lse [s_q, H] float32 (natural log; out 0 and
-    lse -inf for a query with no index)."""
+    [s_q, 1, topk] int32 rows of kv (-1 = none); values are the first d_v values of each row;
+    ``attn_sink`` [H] float32 or None as in ``sparse_mla_decode``. Returns out [s_q, H, d_v]
+    (q.dtype) and lse [s_q, H] float32 (natural log; out 0 and lse -inf, or the sink, for a
+    query with no index)."""
     s_q, H, d = q.shape
     idx = indices[:, 0].long()
     valid = idx >= 0
     src = kv[:, 0].float() if kv.shape[0] else kv.new_zeros(1, d, dtype=torch.float32)   # s_kv = 0: all -1
     rows = src[idx.clamp(min=0)]                                                     # [s_q, topk, d]
-    out, lse = _sparse_attend(q, rows, valid, d_v, sm_scale)
+    out, lse = _sparse_attend(q, rows, valid, d_v, sm_scale, attn_sink)
     return out.to(q.dtype), lse

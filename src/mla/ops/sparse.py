@@ -97,7 +97,16 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend
     return _library.topk_indices(logits, topk, dense(block_table), dense(cu_seqlens_q), block_size)
 
 
-def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_scale=1.0, backend=None):
+def _check_sink(attn_sink, H: int, device) -> None:
+    check(attn_sink is None or (isinstance(attn_sink, torch.Tensor) and tuple(attn_sink.shape) == (H,)
+                                and attn_sink.dtype == torch.float32),
+          f"attn_sink: expected None or float32 [{H}] (one logit per head), got {describe(attn_sink)}")
+    check(attn_sink is None or attn_sink.device == device, f"attn_sink: expected device {device}, "
+                                                           f"got {getattr(attn_sink, 'device', None)}")
+
+
+def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_scale=1.0, attn_sink=None,
+                      backend=None):
     """Absorbed MLA attention over the cache rows each query's ``indices`` name
     (``flash_mla_with_kvcache(..., indices=...)``): no block table, no lengths, no causal mask:
     the indices are the keys.
@@ -107,28 +116,36 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_sca
                 FP8 rows as in ``mla_decode`` (float8_e4m3fn with kv_scale, uint8 tile rows)
     indices:    [B, s_q, topk] int32 flat slots block * block_size + offset, -1 = none
     head_dim_v: values are the first head_dim_v (= kv_lora_rank) entries of each row
-    Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32 (a query with
-    no index: out 0, lse -inf).
+    attn_sink:  None, or [H] float32: FlashMLA's attention sink, one logit per head that joins
+                the softmax's denominator and contributes no value (Hy4's learnable sinks):
+                p_j = exp(s_j - lse) with lse = log(exp(sink_h) + sum_j exp(s_j)); out = sum_j p_j v_j
+    Returns out [B, s_q, H, head_dim_v] in q's dtype and lse [B, s_q, H] float32, the sink
+    included (a query with no index: out 0, lse -inf, or lse = sink_h with a sink). Partial
+    results over disjoint key sets merge by LSE as usual when one part only carries the sink.
     """
     kv_cache, _ = check_latent_query_cache(q, kv_cache, head_dim_v)
     B, s_q = q.shape[:2]
     check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
           f"indices: expected int32 [{B}, {s_q}, topk], got {describe(indices)}")
     _check_indices("indices", indices, (B, s_q, indices.shape[-1]), q.device)
+    _check_sink(attn_sink, q.shape[2], q.device)
     softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
     resolve_backend(backend, q.device)
-    return _library.sparse_mla_decode(q, kv_cache, dense(indices), head_dim_v, softmax_scale, kv_scale)
+    return _library.sparse_mla_decode(q, kv_cache, dense(indices), head_dim_v, softmax_scale, kv_scale,
+                                      None if attn_sink is None else dense(attn_sink))
 
 
-def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, backend=None):
+def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, backend=None):
     """Sparse attention of packed queries over a contiguous latent kv (``flash_mla_sparse_fwd``).
 
     q:       [s_q, H, d] float16/bfloat16/float32 (absorbed queries, d = kv_lora_rank + qk_rope_head_dim)
     kv:      [s_kv, 1, d] in q's dtype (the latent rows, one KV head)
     indices: [s_q, 1, topk] int32 rows of kv, -1 = none
     d_v:     values are the first d_v entries of each row
-    Returns out [s_q, H, d_v] in q's dtype and lse [s_q, H] float32, natural log (FlashMLA also
-    returns the max logits; a query with no index: out 0, lse -inf).
+    attn_sink: None, or [H] float32, the attention sink as in ``sparse_mla_decode``
+    Returns out [s_q, H, d_v] in q's dtype and lse [s_q, H] float32, natural log, the sink
+    included (FlashMLA also returns the max logits; a query with no index: out 0, lse -inf, or
+    the sink).
     """
     check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT,
           f"q: expected float [s_q, H, d], got {describe(q)}")
@@ -140,6 +157,8 @@ def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, backend=None):
           f"indices: expected int32 [{s_q}, 1, topk], got {describe(indices)}")
     _check_indices("indices", indices, (s_q, 1, indices.shape[-1]), q.device)
     check_int("d_v", d_v, 1, d)
+    _check_sink(attn_sink, H, q.device)
     sm_scale = as_float("sm_scale", sm_scale)
     resolve_backend(backend, q.device)
-    return _library.sparse_prefill_attention(q, kv, dense(indices), sm_scale, d_v)
+    return _library.sparse_prefill_attention(q, kv, dense(indices), sm_scale, d_v,
+                                             None if attn_sink is None else dense(attn_sink))
