@@ -166,6 +166,11 @@ SPARSE = {
     "hy_v4": Case("hy_v4", "hy_v4", "HYV4Config", "HYV4Attention", "HYV4RotaryEmbedding",
                   dict(rope_parameters=_default(), rms_norm_eps=1e-5, index_topk=8, index_n_heads=8,
                        index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2)),
+    # A.X-K2: DeepSeek-V3.2's attention and indexer with q_gate_proj over cat(norm(q_a), q_a) for the
+    # query and a sigmoid output gate; 3 heads, v_head_dim != qk_nope_head_dim, YaRN
+    "axk2": Case("axk2", "axk2", "AXK2Config", "AXK2Attention", "AXK2RotaryEmbedding",
+                 dict(rope_parameters=_yarn(orig=16, mscale=0.707, mscale_all_dim=1.0), num_attention_heads=3,
+                      v_head_dim=24, **_DSA)),
 }
 
 
@@ -338,10 +343,6 @@ REFUSED = {
                             index_topk=32, index_head_dim=16, index_n_heads=2, n_routed_experts=4,
                             num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4),
                        ("index", "qk_rope_head_dim", "linear")),
-    "axk2": ("axk2", "AXK2Config",
-             dict(_BASE, num_key_value_heads=4, head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
-                  n_routed_experts=4, num_experts_per_tok=2),
-             ("gate", "index")),
     "deepseek_v4": ("deepseek_v4", "DeepseekV4Config",
                     dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=24,
                          num_hidden_layers=2, vocab_size=32, n_routed_experts=4, num_experts_per_tok=2,

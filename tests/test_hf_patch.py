@@ -202,7 +202,7 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4"])
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4", "axk2"])
 def test_refused_family(name):
     """A family from_hf refuses, or whose sparse indexer patch does not drive, is refused by
     patch, naming the model_type, before any change."""

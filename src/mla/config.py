@@ -123,8 +123,12 @@ class MLAConfig:
     # index_topk keys the top-k selects every key: the same attention as the dense paths).
     attention_sinks: bool = False
     # The output gate applied per head to the attention output before o_proj (MLA.output_gate):
-    # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4)
+    # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4); with
+    # q_gate_fused the logits are q_gate_proj's gate half instead (A.X-K2)
     output_gate: str | None = None
+    # A.X-K2: no q_b_proj; one q_gate_proj [H * (dn + dr + dv), 2 * rq] over cat(q_a_norm(q_a), q_a)
+    # gives per head the query then the output gate's logits (needs output_gate "sigmoid")
+    q_gate_fused: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -162,6 +166,12 @@ class MLAConfig:
         if not isinstance(self.attention_sinks, bool) or not isinstance(self.index_rope_last, bool):
             raise ValueError(f"attention_sinks, index_rope_last: expected bools, got {self.attention_sinks!r}, "
                              f"{self.index_rope_last!r}")
+        if not isinstance(self.q_gate_fused, bool):
+            raise ValueError(f"q_gate_fused: expected a bool, got {self.q_gate_fused!r}")
+        if self.q_gate_fused and (self.q_lora_rank is None or self.output_gate != "sigmoid"
+                                  or self.q_lora_scale != 1.0):
+            raise ValueError("q_gate_fused: expected a q_lora_rank, output_gate 'sigmoid' and q_lora_scale 1.0 "
+                             f"with it, got {self.q_lora_rank!r}, {self.output_gate!r}, {self.q_lora_scale!r}")
         if self.attention_sinks and self.index_topk is None:
             raise ValueError("attention_sinks: expected a sparse indexer (index_topk) with them: only the sparse "
                              "path takes a sink")

@@ -1,8 +1,9 @@
 """What each MLA family's transformers config says beyond DeepSeek-V3's, and how
 ``MLAConfig.from_hf`` reads it: RoPE pairing and type, a query temperature, LongCat's latent
-scales, the layers that are MLA, the sparse indexer, Hy4's sinks and output gate; and what the
-library refuses, by name (``NotImplementedError`` naming the feature and the ``model_type``): a
-config key that changes the attention is never ignored.
+scales, the layers that are MLA, the sparse indexer, Hy4's sinks and output gate, A.X-K2's
+fused q and gate projection; and what the library refuses, by name (``NotImplementedError``
+naming the feature and the ``model_type``): a config key that changes the attention is never
+ignored.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def config_fields(hf_config: Any) -> dict:
         temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
         mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False), bool(family.get("indexer"))),
         **scales, **(_indexer(c, model_type, family["indexer"]) if family.get("indexer") else {}),
-        **_hy4_fields(c, family),
+        **_gate_fields(c, family),
         name=str(c.get("_name_or_path") or model_type))
 
 
@@ -96,13 +97,15 @@ FAMILIES: dict[str, dict] = {
     # LayerNorm uses rms_norm_eps; a learnable sink per head and a sigmoid output gate
     "hy_v4": {"interleave": False, "indexer": "neox", "index_rope_last": True, "index_norm_eps": True,
               "sinks": True, "gate": "sigmoid"},
+    # A.X-K2: DeepSeek-V3.2's attention and indexer, except q: no q_b_proj but a q_gate_proj over
+    # cat(q_a_norm(q_a), q_a) whose per-head gate half gates the output by sigmoid
+    "axk2": {"interleave": True, "indexer": "neox", "gate": "sigmoid", "q_gate_fused": True},
 }
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
 REFUSED: dict[str, str] = {
     "glm5_next": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
     "glm5_next_text": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
-    "axk2": "the fused q_gate_proj, the output gate and the sparse indexer",
     "deepseek_v4": "DeepSeek-V4's attention (one 512-wide KV head with compressed and sliding-window "
                    "layers: not MLA)",
 }
@@ -222,8 +225,8 @@ def _indexer(c: dict, model_type: str, pairing: str) -> dict:
     return dict(out, index_rope_interleave=pairing == "interleave", index_shared_layers=shared)
 
 
-def _hy4_fields(c: dict, family: dict) -> dict:
-    """Hy4's attention beyond DeepSeek-V3.2's (families.FAMILIES["hy_v4"])."""
+def _gate_fields(c: dict, family: dict) -> dict:
+    """Hy4's and A.X-K2's attention beyond DeepSeek-V3.2's (FAMILIES["hy_v4"], FAMILIES["axk2"])."""
     out = {}
     if family.get("index_rope_last"):
         out["index_rope_last"] = True
@@ -233,6 +236,8 @@ def _hy4_fields(c: dict, family: dict) -> dict:
         out["attention_sinks"] = True
     if family.get("gate"):
         out["output_gate"] = family["gate"]
+    if family.get("q_gate_fused"):
+        out["q_gate_fused"] = True
     return out
 
 

@@ -10,11 +10,13 @@ One step, for the T new tokens of a batch:
 
     [q_a | kv_a] = x @ [W_qa | W_kva]^T               one GEMM (q_proj instead of q_a if lite)
     q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
+                   (A.X-K2: [q | gate] = q_gate_proj(cat(rmsnorm(q_a), q_a))   [T, H, dn + dr + dv])
     c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
     or with a sparse indexer past index_topk keys: the indexer's top-k keys only (sparse.py)
-    attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x))
+    attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x)),
+                                                         or A.X-K2's attn * sigmoid(gate)
     out          = o_proj(attn [T, H * dv])
 """
 from __future__ import annotations
@@ -74,6 +76,9 @@ class MLA(nn.Module):
         if cfg.attention_sinks and strategy not in (None, "sparse"):
             raise ValueError(f"strategy: {cfg.name!r} has attention sinks, which only the 'sparse' path serves; "
                              f"expected None or 'sparse', got {strategy!r}")
+        if cfg.q_gate_fused and parallel is not None:
+            raise ValueError(f"parallel: {cfg.name!r} has a fused q_gate_proj (A.X-K2), whose TP/CP sharding mla "
+                             "does not implement; expected parallel=None")
         if strategy == "sparse" and not cfg.has_indexer:
             raise ValueError(f"strategy: 'sparse' needs a config with a sparse indexer (index_topk), {cfg.name!r} "
                              "has none")
@@ -109,7 +114,9 @@ class MLA(nn.Module):
         self.b_a = param(self.q_dim + cfg.kv_dim) if cfg.attention_bias else None
         if cfg.q_lora_rank is not None:
             self.q_a_norm = param(cfg.q_lora_rank)
-            self.w_q_b = param(H * cfg.qk_head_dim, cfg.q_lora_rank)
+            # A.X-K2's q_gate_proj in its place: per head the query, then dv gate logits
+            self.w_q_b = param(H * (cfg.qk_head_dim + dv), 2 * cfg.q_lora_rank) if cfg.q_gate_fused \
+                else param(H * cfg.qk_head_dim, cfg.q_lora_rank)
         self.kv_a_norm = param(r)
         self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
         self.w_o = param(D, self.num_slice_heads * dv)
@@ -118,7 +125,8 @@ class MLA(nn.Module):
         # projection for this rank's head slice
         self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device), requires_grad=False) \
             if cfg.attention_sinks else None
-        self.w_gate = param(self.num_slice_heads * dv, D) if cfg.output_gate is not None else None
+        self.w_gate = param(self.num_slice_heads * dv, D) \
+            if cfg.output_gate is not None and not cfg.q_gate_fused else None
         # block scales of w_q_b / w_o where they are kept in FP8 (see load_hf_state_dict)
         self.register_buffer("w_q_b_scale", None, persistent=False)
         self.register_buffer("w_o_scale", None, persistent=False)
@@ -157,13 +165,15 @@ class MLA(nn.Module):
         except q_b_proj and o_proj, which stay FP8 with their block scales and run as
         block-scaled FP8 GEMMs (``mla.ops.fp8_linear``) when ``fp8_weights`` is "always", or
         "auto" on a CUDA device, where they are faster at decode sizes (docs/PERF.md). A TP/CP
-        share that would split a 128-block is dequantized."""
+        share that would split a 128-block is dequantized, and so is A.X-K2's q_gate_proj (it
+        replaces q_b_proj; a fused FP8 GEMM of it is not implemented)."""
         if not isinstance(sd, Mapping):
             raise ValueError(f"sd: expected a mapping of names to tensors, got {type(sd).__name__}")
         if not isinstance(prefix, str):
             raise ValueError(f"prefix: expected a str, got {type(prefix).__name__}")
         lite = self.cfg.q_lora_rank is None
-        fp8_names = ("o_proj.weight",) + (() if lite else ("q_b_proj.weight",))
+        fused = self.cfg.q_gate_fused
+        fp8_names = ("o_proj.weight",) + (() if lite or fused else ("q_b_proj.weight",))
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
         w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else (), strict=bool(strict),
                             layer_idx=self.layer_idx)
@@ -180,7 +190,10 @@ class MLA(nn.Module):
             self.b_a.copy_(torch.cat((q_bias.to(w["kv_a_proj_with_mqa.bias"]), w["kv_a_proj_with_mqa.bias"])))
         if not lite:
             self.q_a_norm.copy_(w["q_a_layernorm.weight"])
-            self._set_weight("w_q_b", w["q_b_proj.weight"], kept["q_b_proj.weight"])
+            if fused:
+                self._set_weight("w_q_b", w["q_gate_proj.weight"], None)
+            else:
+                self._set_weight("w_q_b", w["q_b_proj.weight"], kept["q_b_proj.weight"])
         self.kv_a_norm.copy_(w["kv_a_layernorm.weight"])
         self.w_kv_b.copy_(w["kv_b_proj.weight"])
         self._set_weight("w_o", w["o_proj.weight"], kept["o_proj.weight"])
@@ -237,16 +250,23 @@ class MLA(nn.Module):
         absorbed.bmm_into(x, W_UK[heads].mT, k_nope.transpose(0, 1))
         absorbed.bmm_into(x, W_UV[heads].mT, v.transpose(0, 1))
 
-    def output_gate(self, hidden_states: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def output_gate(self, hidden_states: torch.Tensor, attn: torch.Tensor,
+                    gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """The gate on the attention output, per head, before o_proj: hidden_states [T, D] and
         attn [T, H_s, dv] (this rank's head slice, after the Helix exchange under CP: a per-head,
         per-token factor commutes with the LSE combine) -> attn gated, same shape and dtype.
+        ``gate_logits`` [T, H_s, dv]: the logits where the q projection made them (A.X-K2's
+        q_gate_proj, ``cfg.q_gate_fused``), else None.
 
         The identity unless the config has an ``output_gate``: "sigmoid" is Hy4's
-        attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] loaded as ``w_gate``. A
-        subclass may override it for another family's gate (TensorRT-LLM's _apply_output_gate)."""
+        attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] loaded as ``w_gate``, or with
+        ``gate_logits`` A.X-K2's attn * sigmoid(gate_logits), in float32 as its module computes
+        it. A subclass may override it for another family's gate (TensorRT-LLM's
+        _apply_output_gate)."""
         if self.cfg.output_gate is None:
             return attn
+        if gate_logits is not None:
+            return (attn.float() * torch.sigmoid(gate_logits.float())).to(attn.dtype)
         gate = F.linear(hidden_states, self.w_gate).view(attn.shape)
         return attn * torch.sigmoid(gate)
 
@@ -293,12 +313,18 @@ class MLA(nn.Module):
         if cfg.has_indexer and not self.has_own_indexer:
             shared = sparse.shared_indices(self, batch, self.plan(batch).sparse)
         r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        gate_logits = None
         a = F.linear(hidden_states, self.w_a, self.b_a)
         if cfg.q_lora_rank is None:
             q = a[:, : self.q_dim]
         else:
             q_a = rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps)
-            q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
+            if cfg.q_gate_fused:    # A.X-K2: the query, then the output gate's logits, per head
+                qg = self._linear(torch.cat((q_a, a[:, : self.q_dim]), -1), self.w_q_b, self.w_q_b_scale)
+                qg = qg.view(T, H, cfg.qk_head_dim + cfg.v_head_dim)
+                q, gate_logits = qg[..., : cfg.qk_head_dim].contiguous(), qg[..., cfg.qk_head_dim:]
+            else:
+                q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
         q = q.reshape(T, H, cfg.qk_head_dim)
         c_kv = rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps)
         k_pe = a[:, self.q_dim + r:]
@@ -330,7 +356,10 @@ class MLA(nn.Module):
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         if plan.sparse:
             sparse.attend(self, q, index_qkw, shared, plan.sparse, batch, kv_cache, attn)
-        attn = self.output_gate(hidden_states, attn)
+        if gate_logits is None:     # a subclass's two-argument hook keeps working
+            attn = self.output_gate(hidden_states, attn)
+        else:
+            attn = self.output_gate(hidden_states, attn, gate_logits[:, self.slice_start: self.slice_start + Hs])
         out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks

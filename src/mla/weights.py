@@ -27,7 +27,8 @@ def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int,
     """Expected shape of every tensor of one attention layer, by HF name (no prefix). With a
     sparse indexer (DeepSeek-V3.2, GLM-5) the layer's ``indexer.*`` tensors too, unless the layer
     reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer); with attention sinks
-    ``sinks`` [H], with an output gate ``gate_proj.weight`` [H * dv, D] (Hy4)."""
+    ``sinks`` [H], with an output gate ``gate_proj.weight`` [H * dv, D] (Hy4); with q_gate_fused
+    ``q_gate_proj.weight`` [H * (dn + dr + dv), 2 * rq] instead of q_b_proj and gate_proj (A.X-K2)."""
     H, D = cfg.num_heads, cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {}
     if cfg.q_lora_rank is None:
@@ -35,7 +36,10 @@ def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int,
     else:
         shapes["q_a_proj.weight"] = (cfg.q_lora_rank, D)
         shapes["q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-        shapes["q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
+        if cfg.q_gate_fused:   # A.X-K2: per head qk_head_dim query rows then dv gate rows
+            shapes["q_gate_proj.weight"] = (H * (cfg.qk_head_dim + cfg.v_head_dim), 2 * cfg.q_lora_rank)
+        else:
+            shapes["q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
     shapes["kv_a_proj_with_mqa.weight"] = (cfg.kv_dim, D)
     shapes["kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
     shapes["kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
@@ -54,7 +58,7 @@ def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int,
         shapes["indexer.weights_proj.weight"] = (n, D)
     if cfg.attention_sinks:
         shapes["sinks"] = (H,)                                     # one logit per head (Hy4)
-    if cfg.output_gate is not None:
+    if cfg.output_gate is not None and not cfg.q_gate_fused:
         shapes["gate_proj.weight"] = (H * cfg.v_head_dim, D)       # per head: dv gate values
     return shapes
 
