@@ -104,8 +104,13 @@ FAMILIES: dict[str, dict] = {
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
 REFUSED: dict[str, str] = {
-    "glm5_next": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
-    "glm5_next_text": "the sparse indexer, qk_rope_head_dim 0 and linear-attention layers",
+    # GLM-5.3-Flash's indexer is not GLM-5's: it scores gated pools of index_kpool keys (softmax of
+    # index_kpool_compress_gate(x) + _ape over each pool), keeps index_topk / index_kpool pools and
+    # appends the open tail pool's tokens; its index row is (k, gate) and it has no RoPE at all
+    "glm5_next": "the k-pool sparse indexer (index_kpool), qk_rope_head_dim 0 (a latent-only cache row) and "
+                 "linear-attention layers",
+    "glm5_next_text": "the k-pool sparse indexer (index_kpool), qk_rope_head_dim 0 (a latent-only cache row) and "
+                      "linear-attention layers",
     "deepseek_v4": "DeepSeek-V4's attention (one 512-wide KV head with compressed and sliding-window "
                    "layers: not MLA)",
 }
