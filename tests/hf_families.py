@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import mla
-from hf_util import BF16_SLACK, FP32_TOL, WEIGHT_GAIN, rel_err
+from hf_util import FP32_TOL, WEIGHT_GAIN, check_bf16_outputs, rel_err
 
 _BASE = dict(hidden_size=64, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
@@ -323,14 +323,8 @@ class FamilyHarness:
         assert self.cache.length(seq) == new_length
 
     def check_bf16(self):
-        if self.dtype == torch.float32:
-            return
-        ours = torch.cat([o.flatten() for o, _, _ in self.outputs])
-        ref = torch.cat([r.flatten() for _, r, _ in self.outputs])
-        hf = torch.cat([l.flatten() for _, _, l in self.outputs])
-        err, hf_err = rel_err(ours, ref), rel_err(hf, ref)
-        assert err <= 2 * hf_err + BF16_SLACK, \
-            f"{self.case_name_for_msg()}: bf16 error {err:.3g} vs the module's own bf16 error {hf_err:.3g}"
+        if self.dtype != torch.float32:
+            check_bf16_outputs(self.outputs, self.case_name_for_msg())
 
 
 # ---------------------------------------------------------------------------------------

@@ -300,12 +300,17 @@ class Harness:
 
     def check_bf16(self):
         """Our bf16 error over all steps against 2x HF-bf16's error on the same rows."""
-        if self.dtype == torch.float32:
-            return
-        ours = torch.cat([o.flatten() for o, _, _ in self.outputs])
-        ref = torch.cat([r.flatten() for _, r, _ in self.outputs])
-        hf = torch.cat([l.flatten() for _, _, l in self.outputs])
-        err, hf_err = rel_err(ours, ref), rel_err(hf, ref)
-        assert err <= 2 * hf_err + BF16_SLACK, f"bf16 error {err:.3g} vs HF bf16 {hf_err:.3g}"
+        if self.dtype != torch.float32:
+            check_bf16_outputs(self.outputs, "bf16")
 
 
+
+
+def check_bf16_outputs(outputs, what: str) -> None:
+    """outputs: (ours, float64 reference, the HF module in bf16) per step; our error over all
+    steps must be within 2x the module's own bf16 error (+ BF16_SLACK)."""
+    ours = torch.cat([o.flatten() for o, _, _ in outputs])
+    ref = torch.cat([r.flatten() for _, r, _ in outputs])
+    hf = torch.cat([l.flatten() for _, _, l in outputs])
+    err, hf_err = rel_err(ours, ref), rel_err(hf, ref)
+    assert err <= 2 * hf_err + BF16_SLACK, f"{what}: bf16 error {err:.3g} vs the module's own bf16 error {hf_err:.3g}"

@@ -105,25 +105,27 @@ def test_topk_indices_ties_padding_and_slots():
     assert sorted(out[0, :7].tolist()) == sorted(_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7))
 
 
-def _sparse_oracle(q, rows_per_query, scale, dv):
-    """q [N, H, d]; rows_per_query: list of [k_i, d] float64 -> out [N, H, dv], lse [N, H] float64."""
+def sparse_oracle(q, rows_per_query, scale, dv, sink=None):
+    """q [N, H, d]; rows_per_query: list of [k_i, d] float64 -> out [N, H, dv], lse [N, H] float64.
+    sink [H]: one more logit per head in the softmax, dropped from the output (FlashMLA's attn_sink)."""
     N, H, _ = q.shape
     out = torch.zeros(N, H, dv, dtype=torch.float64)
     lse = torch.full((N, H), float("-inf"), dtype=torch.float64)
     for t, kv in enumerate(rows_per_query):
-        if kv.shape[0] == 0:
-            continue
         s = (q[t].double() @ kv.T) * scale
+        if sink is not None:
+            s = torch.cat([s, sink.double()[:, None]], -1)
+        if s.shape[-1] == 0:
+            continue
         lse[t] = torch.logsumexp(s, -1)
-        out[t] = torch.softmax(s, -1) @ kv[:, :dv]
+        out[t] = torch.softmax(s, -1)[:, : kv.shape[0]] @ kv[:, :dv]
     return out, lse
 
 
-@pytest.mark.parametrize("H", [1, 3, 16])
-@pytest.mark.parametrize("fmt", ["plain", "fp8_tile"])
-def test_sparse_mla_decode(H, fmt):
-    g = torch.Generator().manual_seed(H)
-    r, dr, bs, nb, topk = 128, 16, 4, 10, 6
+def decode_case(g, H, r, dr=16, bs=4, nb=10, topk=6):
+    """A paged cache of 24 random rows among NaN ones, and indices for B 2 x s_q 3 queries:
+    full, partial and no index in sequence 0, 4 keys each in sequence 1.
+    Returns cache [nb, bs, r + dr], its flat view, indices [2, 3, topk], q [2, 3, H, r + dr]."""
     d = r + dr
     cache = torch.full((nb, bs, d), NAN)
     used = torch.randperm(nb * bs, generator=g)[:24]
@@ -135,14 +137,36 @@ def test_sparse_mla_decode(H, fmt):
         for i in range(s_q):
             k = [6, 2, 0][i] if b == 0 else 4     # full, partial, none
             idx[b, i, :k] = used[torch.randperm(24, generator=g)[:k]].int()
-    q = torch.randn(B, s_q, H, d, generator=g)
+    return cache, flat, idx, torch.randn(B, s_q, H, d, generator=g)
+
+
+def prefill_case(g, H, s_q=5, s_kv=11, d=40, topk=4):
+    """q [s_q, H, d], kv [s_kv, 1, d] and indices [s_q, 1, topk]; the last query has none."""
+    q = torch.randn(s_q, H, d, generator=g)
+    kv = torch.randn(s_kv, 1, d, generator=g)
+    idx = torch.full((s_q, 1, topk), -1, dtype=torch.int32)
+    for t in range(s_q - 1):
+        idx[t, 0, :t + 1] = torch.randperm(s_kv, generator=g)[:t + 1].int()[:topk]
+    return q, kv, idx
+
+
+def rows_of(values, idx):
+    """The float64 rows each query's indices name (-1 skipped): a list over the queries."""
+    return [values[[s for s in row.tolist() if s >= 0]].double() for row in idx.reshape(-1, idx.shape[-1])]
+
+
+@pytest.mark.parametrize("H", [1, 3, 16])
+@pytest.mark.parametrize("fmt", ["plain", "fp8_tile"])
+def test_sparse_mla_decode(H, fmt):
+    g = torch.Generator().manual_seed(H)
+    r, bs, nb = 128, 4, 10
+    cache, flat, idx, q = decode_case(g, H, r, bs=bs, nb=nb)
+    B, s_q, _, d = q.shape
     stored = cache if fmt == "plain" else quant.quantize_rows(flat.nan_to_num(), "fp8_tile", r).view(nb, bs, -1)
     values = flat if fmt == "plain" else quant.dequantize_rows(stored.view(nb * bs, -1), "fp8_tile", r)
     out, lse = mla.ops.sparse_mla_decode(q, stored, idx, r, 0.1)
     assert out.shape == (B, s_q, H, r) and lse.shape == (B, s_q, H) and lse.dtype == torch.float32
-    flat_idx = idx.view(B * s_q, topk)
-    rows = [values[[s for s in row.tolist() if s >= 0]].double() for row in flat_idx]
-    want_o, want_l = _sparse_oracle(q.view(B * s_q, H, d), rows, 0.1, r)
+    want_o, want_l = sparse_oracle(q.view(B * s_q, H, d), rows_of(values, idx), 0.1, r)
     assert not out.isnan().any()
     assert torch.equal(lse.view(-1, H).isinf(), want_l.isinf())
     assert torch.allclose(out.view(-1, H, r).double(), want_o, atol=1e-5)
@@ -153,16 +177,10 @@ def test_sparse_mla_decode(H, fmt):
 
 @pytest.mark.parametrize("H", [1, 7])
 def test_sparse_prefill_attention(H):
-    g = torch.Generator().manual_seed(H)
-    s_q, s_kv, d, dv, topk = 5, 11, 40, 32, 4
-    q = torch.randn(s_q, H, d, generator=g)
-    kv = torch.randn(s_kv, 1, d, generator=g)
-    idx = torch.full((s_q, 1, topk), -1, dtype=torch.int32)
-    for t in range(s_q - 1):                                   # the last query has no index
-        idx[t, 0, :t + 1] = torch.randperm(s_kv, generator=g)[:t + 1].int()[:topk]
+    dv = 32
+    q, kv, idx = prefill_case(torch.Generator().manual_seed(H), H)   # the last query has no index
     out, lse = mla.ops.sparse_prefill_attention(q, kv, idx, 0.2, dv)
-    rows = [kv[[s for s in idx[t, 0].tolist() if s >= 0], 0].double() for t in range(s_q)]
-    want_o, want_l = _sparse_oracle(q, rows, 0.2, dv)
+    want_o, want_l = sparse_oracle(q, rows_of(kv[:, 0], idx), 0.2, dv)
     assert torch.allclose(out.double(), want_o, atol=1e-5) and torch.equal(lse.isinf(), want_l.isinf())
     assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
     # the same as the paged op over a one-block cache holding kv
