@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# compute-sanitizer over tools/sanitize_gpu.py's cases (issue 30): each tool in turn, a log per
+# tool under $LOG_DIR, and one summary line per tool. From the repository root, on the GPU:
+#
+#   tools/sanitize.sh [TOOL ...] [-- sanitize_gpu.py options]      # e.g. racecheck -- --only decode/
+#
+# TOOL: plain (the script alone: its own checks, and every kernel JIT-compiled into the Triton
+# cache so that each tool's run spends its time on the kernels, not in ptxas), memcheck,
+# racecheck, synccheck, initcheck. Default: all five in that order. Exit status: 0 when every
+# tool's run exited 0 (no sanitizer error, no case failed), else 1.
+#
+# Environment: LOG_DIR (default build/sanitize), PYTHON (python3), COMPUTE_SANITIZER (default:
+# on PATH, else beside nvcc, as CUDA 13 installs it), TRITON_CACHE_DIR (default
+# build/sanitize/triton-cache: build/ stays on the GPU machine between calls).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+tools=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do tools+=("$1"); shift; done
+[ "${1-}" = "--" ] && shift
+[ ${#tools[@]} -gt 0 ] || tools=(plain memcheck racecheck synccheck initcheck)
+for t in "${tools[@]}"; do
+  case $t in
+    plain | memcheck | racecheck | synccheck | initcheck) ;;
+    *) echo "sanitize.sh: unknown tool $t (plain, memcheck, racecheck, synccheck, initcheck)" >&2; exit 2 ;;
+  esac
+done
+
+LOG_DIR=${LOG_DIR:-build/sanitize}
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/sanitize/triton-cache}
+export PYTHONUNBUFFERED=1     # the script's "-- case" lines interleave with the sanitizer's reports
+mkdir -p "$LOG_DIR" "$TRITON_CACHE_DIR"
+
+find_sanitizer() {
+  if [ -n "${COMPUTE_SANITIZER-}" ]; then echo "$COMPUTE_SANITIZER"; return; fi
+  command -v compute-sanitizer && return
+  local nvcc
+  nvcc=$(command -v nvcc) || { echo "sanitize.sh: no compute-sanitizer on PATH and no nvcc beside it" >&2; return 1; }
+  echo "$(dirname "$(readlink -f "$nvcc")")/compute-sanitizer"
+}
+
+# One tool's run; prints its summary line. Every tool runs under --error-exitcode 1, follows
+# only python itself (not ptxas or the compilers Triton and FlashInfer start), and waits up to
+# 300 s for the process to reach CUDA (importing torch and mla takes a while).
+run_tool() {
+  local tool=$1; shift
+  local log="$LOG_DIR/$tool.log" envs=() flags=() args=("$@")
+  case $tool in
+    plain) ;;
+    memcheck)
+      # The caching allocator hands tensors out of large cudaMalloc'd segments, and memcheck
+      # knows only cudaMalloc's bounds: a read past a tensor into its neighbour in the same
+      # segment would pass unseen. Without caching every tensor is its own allocation, and
+      # --padding puts a guard after each: an access up to 1 KiB past a tensor is reported.
+      envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); flags=(--padding 1024) ;;
+    racecheck | synccheck) ;;   # shared memory and barriers: the allocator does not matter
+    initcheck)
+      # Without caching a tensor's bytes count as written only once its own writer wrote
+      # them, not because an earlier tensor held the same memory. --track-unused-memory no:
+      # the question is reads of unwritten bytes; allocations larger than what is used of them
+      # (workspaces, padded buffers) are by design. --no-peers: cuDNN's, cuBLAS's and
+      # FlashInfer's kernels manage their own workspaces, which is theirs to answer for;
+      # every kernel of this library still runs under initcheck.
+      envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); flags=(--track-unused-memory no); args+=(--no-peers) ;;
+  esac
+  local start=$SECONDS cmd=("$PYTHON" tools/sanitize_gpu.py ${args[@]+"${args[@]}"})
+  if [ "$tool" != plain ]; then
+    cmd=("$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes application-only --launch-timeout 300
+         ${flags[@]+"${flags[@]}"} "${cmd[@]}")
+  fi
+  echo "\$ ${envs[*]+${envs[*]} }${cmd[*]}" > "$log"
+  env ${envs[@]+"${envs[@]}"} "${cmd[@]}" >> "$log" 2>&1
+  local rc=$?
+  local found cases
+  found=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed -E 's/^=+ *//')
+  cases=$(grep -E '^sanitize_gpu(\.py)?: ' "$log" | tail -n 1)     # its summary, or why it stopped
+  grep -E '^(FAIL|skip) ' "$log" | sed "s/^/  $tool: /"
+  [ "$tool" = plain ] && found="no sanitizer"
+  printf '%-9s %s | %s | exit %s | %ss | %s\n' "$tool:" "${found:-no sanitizer summary (see the log)}" \
+    "${cases:-the script did not finish (see the log)}" "$rc" "$((SECONDS - start))" "$log"
+  return $((rc != 0))
+}
+
+SANITIZER=plain
+for t in "${tools[@]}"; do
+  if [ "$t" != plain ] && [ "$SANITIZER" = plain ]; then SANITIZER=$(find_sanitizer) || exit 2; fi
+done
+[ "$SANITIZER" = plain ] || echo "compute-sanitizer: $SANITIZER ($("$SANITIZER" --version | grep -m1 -i version))"
+status=0
+for t in "${tools[@]}"; do
+  run_tool "$t" "$@" || status=1
+done
+exit $status
