@@ -155,16 +155,18 @@ def rows_of(values, idx):
     return [values[[s for s in row.tolist() if s >= 0]].double() for row in idx.reshape(-1, idx.shape[-1])]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("H", [1, 3, 16])
-@pytest.mark.parametrize("fmt", ["plain", "fp8_tile"])
-def test_sparse_mla_decode(H, fmt):
+@pytest.mark.parametrize("fmt", ["plain", "fp8", "fp8_tile"])
+def test_sparse_mla_decode(H, fmt, backend):
     g = torch.Generator().manual_seed(H)
-    r, bs, nb = 128, 4, 10
+    r, bs, nb, kv_scale = 128, 4, 10, 0.5 if fmt == "fp8" else 1.0
     cache, flat, idx, q = decode_case(g, H, r, bs=bs, nb=nb)
     B, s_q, _, d = q.shape
-    stored = cache if fmt == "plain" else quant.quantize_rows(flat.nan_to_num(), "fp8_tile", r).view(nb, bs, -1)
-    values = flat if fmt == "plain" else quant.dequantize_rows(stored.view(nb * bs, -1), "fp8_tile", r)
-    out, lse = mla.ops.sparse_mla_decode(q, stored, idx, r, 0.1)
+    stored = cache if fmt == "plain" else quant.quantize_rows(flat.nan_to_num(), fmt, r, kv_scale).view(nb, bs, -1)
+    values = flat if fmt == "plain" else quant.dequantize_rows(stored.view(nb * bs, -1), fmt, r, torch.float32,
+                                                               kv_scale)
+    out, lse = mla.ops.sparse_mla_decode(q, stored, idx, r, 0.1, kv_scale=kv_scale, backend=backend)
     assert out.shape == (B, s_q, H, r) and lse.shape == (B, s_q, H) and lse.dtype == torch.float32
     want_o, want_l = sparse_oracle(q.view(B * s_q, H, d), rows_of(values, idx), 0.1, r)
     assert not out.isnan().any()
@@ -175,17 +177,45 @@ def test_sparse_mla_decode(H, fmt):
     assert (out[0, 2] == 0).all() and (lse[0, 2] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("H", [1, 7])
-def test_sparse_prefill_attention(H):
+def test_sparse_prefill_attention(H, backend):
     dv = 32
     q, kv, idx = prefill_case(torch.Generator().manual_seed(H), H)   # the last query has no index
-    out, lse = mla.ops.sparse_prefill_attention(q, kv, idx, 0.2, dv)
+    out, lse = mla.ops.sparse_prefill_attention(q, kv, idx, 0.2, dv, backend=backend)
     want_o, want_l = sparse_oracle(q, rows_of(kv[:, 0], idx), 0.2, dv)
     assert torch.allclose(out.double(), want_o, atol=1e-5) and torch.equal(lse.isinf(), want_l.isinf())
     assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
     # the same as the paged op over a one-block cache holding kv
-    o2, l2 = mla.ops.sparse_mla_decode(q[None], kv[:, 0][None], idx[:, 0][None], dv, 0.2)
+    o2, l2 = mla.ops.sparse_mla_decode(q[None], kv[:, 0][None], idx[:, 0][None], dv, 0.2, backend=backend)
     assert torch.allclose(o2[0], out, atol=1e-6) and torch.equal(l2[0].isinf(), lse.isinf())
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_sparse_kernel_splits_sink_and_fp16(splits):
+    """The Triton kernel with its topk list split over several programs (the LSE combine),
+    an attention sink (-inf on one head: no sink there), float16 queries and rows, and
+    indices out of range on the kernel path (taken as -1: never read)."""
+    from mla.ops import sparse_attention
+
+    g = torch.Generator().manual_seed(splits)
+    H, r = 5, 128
+    cache, flat, idx, q = decode_case(g, H, r, topk=20)
+    idx[1, 0, -3:] = torch.tensor([-7, 10 ** 6, 2 ** 31 - 1], dtype=torch.int32)   # unchecked values
+    sink = torch.randn(H, generator=g)
+    sink[1] = float("-inf")
+    B, s_q, _, d = q.shape
+    for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        out, lse = sparse_attention.launch(q.view(-1, H, d).to(dtype), cache.to(dtype), idx.view(B * s_q, -1), r,
+                                           0.1, attn_sink=sink, num_splits=splits)
+        clean = idx.clone()
+        clean[1, 0, -3:] = -1
+        want_o, want_l = sparse_oracle(q.view(-1, H, d).to(dtype), rows_of(flat.to(dtype), clean), 0.1, r, sink)
+        assert not out.isnan().any() and torch.equal(lse.isinf(), want_l.isinf())
+        assert torch.allclose(out.double(), want_o, atol=atol)
+        assert torch.allclose(lse.double(), want_l, atol=atol)
+        none = 2    # query (0, 2) has no index: out 0, lse = the sink (or -inf without one)
+        assert (out[none] == 0).all() and torch.allclose(lse[none], sink, atol=1e-6, rtol=0)
 
 
 def test_sparse_op_validation():

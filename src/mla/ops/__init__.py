@@ -37,7 +37,8 @@ BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
                    "rope_append": "cache_append", "gather_latent": "gather", "quantize_act_1x128": "fp8_gemm",
-                   "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm"}
+                   "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
+                   "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention"}
 
 
 @torch.compiler.assume_constant_result   # torch.compile takes the answer at trace time (no import traced)

@@ -231,27 +231,32 @@ def _(logits, topk, block_table, cu_seqlens_q, block_size):
 
 @custom_op("mla::sparse_mla_decode", mutates_args=())
 def sparse_mla_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, head_dim_v: int, softmax_scale: float,
-                      kv_scale: float, attn_sink: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                      kv_scale: float, attn_sink: Optional[Tensor] = None,
+                      backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     check_index_values("indices", indices, kv_cache.shape[0] * kv_cache.shape[1])
-    return _fresh(*reference.sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale,
-                                               attn_sink))
+    impl = _pick("sparse_mla_decode", backend, q.device, quant.cache_format(kv_cache))
+    check_interpretable("sparse_mla_decode", impl is reference.sparse_mla_decode, q.device, q, kv_cache)
+    return _fresh(*impl(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink))
 
 
 @sparse_mla_decode.register_fake
-def _(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink=None):
+def _(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink=None, backend=None):
     B, s_q, H, _ = q.shape
     return q.new_empty(B, s_q, H, head_dim_v), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
 @custom_op("mla::sparse_prefill_attention", mutates_args=())
 def sparse_prefill_attention(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int,
-                             attn_sink: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                             attn_sink: Optional[Tensor] = None,
+                             backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     check_index_values("indices", indices, kv.shape[0])
-    return _fresh(*reference.sparse_prefill_attention(q, kv, indices, sm_scale, d_v, attn_sink))
+    impl = _pick("sparse_prefill_attention", backend, q.device)
+    check_interpretable("sparse_prefill_attention", impl is reference.sparse_prefill_attention, q.device, q, kv)
+    return _fresh(*impl(q, kv, indices, sm_scale, d_v, attn_sink))
 
 
 @sparse_prefill_attention.register_fake
-def _(q, kv, indices, sm_scale, d_v, attn_sink=None):
+def _(q, kv, indices, sm_scale, d_v, attn_sink=None, backend=None):
     return q.new_empty(q.shape[0], q.shape[1], d_v), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 

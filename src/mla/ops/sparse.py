@@ -132,7 +132,7 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_sca
     softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
     resolve_backend(backend, q.device)
     return _library.sparse_mla_decode(q, kv_cache, dense(indices), head_dim_v, softmax_scale, kv_scale,
-                                      None if attn_sink is None else dense(attn_sink))
+                                      None if attn_sink is None else dense(attn_sink), backend)
 
 
 def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, backend=None):
@@ -161,4 +161,4 @@ def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, b
     sm_scale = as_float("sm_scale", sm_scale)
     resolve_backend(backend, q.device)
     return _library.sparse_prefill_attention(q, kv, dense(indices), sm_scale, d_v,
-                                             None if attn_sink is None else dense(attn_sink))
+                                             None if attn_sink is None else dense(attn_sink), backend)
