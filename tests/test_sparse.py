@@ -48,9 +48,10 @@ def _slot(table, b, s, block_size):
     return int(table[b, s // block_size]) * block_size + s % block_size
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n_heads", [1, 3, 8])
-def test_indexer_logits(n_heads, causal):
+def test_indexer_logits(n_heads, causal, backend):
     g = torch.Generator().manual_seed(n_heads)
     d, bs = 16, 4
     lens, nq = [9, 0, 14, 5], [3, 0, 14, 1]
@@ -60,7 +61,7 @@ def test_indexer_logits(n_heads, causal):
     w = torch.randn(Tq, n_heads, generator=g)
     cu = torch.tensor([0, 3, 3, 17, 18], dtype=torch.int32)
     out = mla.ops.indexer_logits(q, w, cache, table, torch.tensor(lens, dtype=torch.int32), cu, 16, 0.25,
-                                 causal=causal)
+                                 causal=causal, backend=backend)
     assert out.shape == (Tq, 16) and out.dtype == torch.float32
     t = 0
     for b, (n, m) in enumerate(zip(lens, nq)):
@@ -76,7 +77,8 @@ def test_indexer_logits(n_heads, causal):
             t += 1
 
 
-def test_topk_indices_ties_padding_and_slots():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_topk_indices_ties_padding_and_slots(backend):
     g = torch.Generator().manual_seed(0)
     bs = 4
     table = torch.tensor([[7, 2, 5], [1, 0, 0]], dtype=torch.int32)
@@ -87,7 +89,7 @@ def test_topk_indices_ties_padding_and_slots():
         [inf] * 11,                                                 # nothing visible
     ])
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
-    out = mla.ops.topk_indices(logits, 4, table, cu, bs)
+    out = mla.ops.topk_indices(logits, 4, table, cu, bs, backend=backend)
     pos = [[1, 2, 4, 6], [0, 1], []]
     for t, b in enumerate([0, 0, 1]):
         want = [_slot(table, b, s, bs) for s in pos[t]] + [-1] * (4 - len(pos[t]))
@@ -95,12 +97,13 @@ def test_topk_indices_ties_padding_and_slots():
     # random rows against a sort by (-value, index)
     x = torch.randn(6, 11, generator=g).round(decimals=1)        # rounded: many ties
     x[:, 9:] = inf
-    out = mla.ops.topk_indices(x, 5, table[:1], torch.tensor([0, 6], dtype=torch.int32), bs)
+    out = mla.ops.topk_indices(x, 5, table[:1], torch.tensor([0, 6], dtype=torch.int32), bs, backend=backend)
     for t in range(6):
         order = sorted(range(9), key=lambda s: (-x[t, s].item(), s))[:5]
         assert out[t].tolist() == [_slot(table, 0, s, bs) for s in order]
     # topk past the width: every visible key, then -1
-    out = mla.ops.topk_indices(logits[:1], 16, table[:1], torch.tensor([0, 1], dtype=torch.int32), bs)
+    out = mla.ops.topk_indices(logits[:1], 16, table[:1], torch.tensor([0, 1], dtype=torch.int32), bs,
+                               backend=backend)
     assert (out[0, 7:] == -1).all()
     assert sorted(out[0, :7].tolist()) == sorted(_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7))
 

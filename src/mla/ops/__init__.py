@@ -7,8 +7,8 @@ they run under Triton's interpreter). ``lse`` is float32 with the shape of ``out
 last dimension; a query with no visible key gets ``out = 0`` and ``lse = -inf``.
 
 The "triton" backend of each op family is a module or package here (``decode``, ``prefill``,
-``merge``, ``cache_append``, ``gather``, ``fp8_gemm``), imported on first use (Triton is
-optional); where a family has several kernels, its own dispatch chooses among them.
+``merge``, ``cache_append``, ``gather``, ``fp8_gemm``, ``indexer``, ``sparse_attention``),
+imported on first use (Triton is optional); where a family has several kernels, its own dispatch chooses among them.
 
 Each wrapper checks its arguments' types, shapes, dtypes and devices, then calls its op
 registered with ``torch.library`` (``torch.ops.mla.<name>``, ``_library.py``), which checks the
@@ -38,7 +38,8 @@ BACKENDS = ("torch", "triton")
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
                    "rope_append": "cache_append", "gather_latent": "gather", "quantize_act_1x128": "fp8_gemm",
                    "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
-                   "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention"}
+                   "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
+                   "indexer_logits": "indexer", "topk_indices": "indexer"}
 
 
 @torch.compiler.assume_constant_result   # torch.compile takes the answer at trace time (no import traced)

@@ -194,11 +194,12 @@ def _(x, weight, weight_scale_inv, out_dtype, backend):
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[1], dtype=out_dtype)
 
 
-# ---- sparse MLA (the reference serves every device until kernels exist) ----------------------
+# ---- sparse MLA -----------------------------------------------------------------------------
 
 @custom_op("mla::indexer_logits", mutates_args=())
 def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
-                   cu_seqlens_q: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool) -> Tensor:
+                   cu_seqlens_q: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                   backend: Optional[str] = None) -> Tensor:
     check_paged_values(block_table, cache_seqlens, index_cache.shape[0], index_cache.shape[1])
     if q.device.type == "cpu":
         cq = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", None)
@@ -208,24 +209,29 @@ def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table:
             check(not causal or cq[b + 1] - cq[b] <= n,
                   f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} queries "
                   f"(causal), got {n} for sequence {b}")
-    return reference.indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k,
-                                    softmax_scale, causal).contiguous()
+    impl = _pick("indexer_logits", backend, q.device)
+    check_interpretable("indexer_logits", impl is reference.indexer_logits, q.device, q, index_cache)
+    return impl(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
+                causal).contiguous()
 
 
 @indexer_logits.register_fake
-def _(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale, causal):
+def _(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale, causal,
+      backend=None):
     return q.new_empty(q.shape[0], max_seqlen_k, dtype=torch.float32)
 
 
 @custom_op("mla::topk_indices", mutates_args=())
-def topk_indices(logits: Tensor, topk: int, block_table: Tensor, cu_seqlens_q: Tensor, block_size: int) -> Tensor:
+def topk_indices(logits: Tensor, topk: int, block_table: Tensor, cu_seqlens_q: Tensor, block_size: int,
+                 backend: Optional[str] = None) -> Tensor:
     if logits.device.type == "cpu":
         host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", logits.shape[0], "offsets_q", None)
-    return reference.topk_indices(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
+    impl = _pick("topk_indices", backend, logits.device)
+    return impl(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
 
 
 @topk_indices.register_fake
-def _(logits, topk, block_table, cu_seqlens_q, block_size):
+def _(logits, topk, block_table, cu_seqlens_q, block_size, backend=None):
     return logits.new_empty(logits.shape[0], topk, dtype=torch.int32)
 
 

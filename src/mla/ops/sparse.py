@@ -6,8 +6,9 @@ slots (block * block_size + offset) or rows of a contiguous kv, -1 = none.
     indices = topk_indices(logits, topk, block_table, cu_seqlens_q, block_size)   # [Tq, topk] slots
     out, lse = sparse_mla_decode(q [B, s_q, H, r + dr], kv_cache, indices [B, s_q, topk], r, scale)
 
-These ops have no GPU kernels yet: the reference (``mla.ops.reference``) serves every
-backend, as it serves any input a kernel does not take. Validation follows the dense ops:
+Backends: "torch" is the reference (``mla.ops.reference``); "triton" runs ``indexer`` (the
+indexer's logits kernel; the top-k as composite keys through ``torch.topk``) and
+``sparse_attention`` (one kernel for both attention ops). Validation follows the dense ops:
 ``ValueError`` naming the argument, values checked on CPU tensors only (on CUDA reading them
 back would sync the stream).
 """
@@ -66,7 +67,7 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
     resolve_backend(backend, q.device)
     # the values (lengths, offsets, block ids) are checked where the op runs: _library.indexer_logits
     return _library.indexer_logits(q, weights, index_cache, dense(block_table), dense(cache_seqlens),
-                                   dense(cu_seqlens_q), max_seqlen_k, softmax_scale, bool(causal))
+                                   dense(cu_seqlens_q), max_seqlen_k, softmax_scale, bool(causal), backend)
 
 
 def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend=None):
@@ -94,7 +95,7 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend
           f"block_table: expected room for K = {logits.shape[1]} keys (max_blocks * block_size), got "
           f"{block_table.shape[1]} x {block_size}")
     resolve_backend(backend, logits.device)
-    return _library.topk_indices(logits, topk, dense(block_table), dense(cu_seqlens_q), block_size)
+    return _library.topk_indices(logits, topk, dense(block_table), dense(cu_seqlens_q), block_size, backend)
 
 
 def _check_sink(attn_sink, H: int, device) -> None:

@@ -1,0 +1,166 @@
+"""The lightning indexer on the GPU: its logits over a paged key cache (a Triton kernel), and the
+top-k of them as flat cache slots (composite keys and ``torch.topk``). Both keep the
+reference's contracts (``mla.ops.reference.indexer_logits`` / ``topk_indices``) and read no
+device value on the host, so a decode step stays capturable in a CUDA graph.
+
+Logits (n = index_n_heads, d = index_head_dim):
+
+    logits[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * scale)   for the keys query t sees
+
+    programs = token groups x key spans. A group is BLOCK_T consecutive queries of one sequence
+               (BLOCK_T * n padded heads <= 128 rows of the MMA's M): the keys a group loads
+               serve all its queries. Groups are numbered sequence by sequence on the device
+               (at most ceil(Tq / BLOCK_T) + B of them; the rest exit), so no host plan.
+    program (group, span): for each BLOCK_N-key step of its span
+        k  = index_cache[block_table[b, s // block_size], s % block_size]   [BLOCK_N, d]
+        S  = relu(q @ k^T * scale) * w                                      [BLOCK_T * n, BLOCK_N]
+        logits[t, s] = sum over t's n rows of S, -inf where t does not see s (causal, or past
+                       the sequence); every column < max_seqlen_k is written
+
+Top-k: a float's bits, flipped where negative, order like the float; with the key index below
+them (inverted, so the lower index wins a tie) one int64 per logit orders exactly as the
+reference's stable descending sort, and ``torch.topk`` of those gives its selection and order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import jit
+
+__all__ = ["indexer_logits", "topk_indices", "logits_schedule"]
+
+
+@jit
+def _logits_kernel(
+    Q, W, KC, BT, SEQLENS, CU, OUT,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_kr, stride_bt, stride_ot,
+    B, NH, D, block_size, max_blocks, num_blocks, K, span, scale,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    g = tl.program_id(0)
+    # this group's sequence b and first query t0: groups are numbered sequence by sequence
+    i = tl.arange(0, BLOCK_B)
+    lo = tl.load(CU + i, mask=i < B, other=0)
+    hi = tl.load(CU + i + 1, mask=i < B, other=0)
+    groups = (hi - lo + BLOCK_T - 1) // BLOCK_T
+    ends = tl.cumsum(groups, 0)
+    b = tl.sum((ends <= g).to(tl.int32), 0)
+    if b >= B:
+        return
+    first = tl.sum(tl.where(i == b, ends - groups, 0), 0)
+    q0 = tl.sum(tl.where(i == b, lo, 0), 0)
+    nq = tl.sum(tl.where(i == b, hi - lo, 0), 0)
+    n = tl.load(SEQLENS + b)
+    i0 = (g - first) * BLOCK_T                   # the group's first query within its sequence
+
+    ROWS: tl.constexpr = BLOCK_T * BLOCK_H
+    r = tl.arange(0, ROWS)
+    tt = r // BLOCK_H                            # query of the group, head
+    h = r % BLOCK_H
+    row_ok = (i0 + tt < nq) & (h < NH)
+    t = (q0 + i0 + tt).to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + t[:, None] * stride_qt + h[:, None] * stride_qh + dd[None, :],
+                mask=row_ok[:, None] & (dd < D)[None, :], other=0.0)
+    w = tl.load(W + t * stride_wt + h, mask=row_ok, other=0.0)     # padding rows weigh 0
+
+    tq = tl.arange(0, BLOCK_T)
+    tq_ok = i0 + tq < nq
+    if CAUSAL:
+        limit = n - nq + i0 + tq + 1             # query i sees keys < n - nq + i + 1
+    else:
+        limit = tl.zeros([BLOCK_T], dtype=tl.int32) + n
+    limit = tl.where(tq_ok, limit, 0)
+    out_row = OUT + (q0 + i0 + tq).to(tl.int64) * stride_ot
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    s_begin = tl.program_id(1) * span
+    s_end = tl.minimum(s_begin + span, K)
+    far = tl.max(limit, 0)                       # the group sees no key from here on
+    for s0 in range(s_begin, s_end, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        visible = (s[None, :] < limit[:, None]) & (s < s_end)[None, :]
+        logits = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+        if s0 < far:
+            s_ok = s < tl.minimum(far, s_end)
+            # columns and block ids clamped: lengths and ids are unchecked on CUDA
+            blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+            k = tl.load(KC + blk[:, None] * stride_kb + (s % block_size)[:, None] * stride_kr + dd[None, :],
+                        mask=s_ok[:, None] & (dd < D)[None, :], other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.maximum(sc * scale, 0.0) * w[:, None]
+            summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
+            logits = tl.where(visible, summed, float("-inf"))
+        tl.store(out_row[:, None] + s[None, :], logits, mask=tq_ok[:, None] & (s < s_end)[None, :])
+
+
+def logits_schedule(n_heads: int, Tq: int, B: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_N, span, groups) of a launch, from shapes only: heads padded to a
+    power of two (>= 16 rows in all), as many queries a group as fill 128 rows (64 heads: 2;
+    the keys a group loads serve them all), 64-key steps (16 on the interpreter), and key spans
+    of 16 steps, enough programs for the GPU at decode batches (B 32 x 32k keys: 1024)."""
+    block_h = triton.next_power_of_2(max(n_heads, 1))
+    block_t = max(1, 128 // block_h) if device.type == "cuda" else max(1, 16 // block_h)
+    block_t = max(block_t, triton.cdiv(16, block_h))
+    block_n = 64 if device.type == "cuda" else 16
+    span = block_n * 16
+    groups = triton.cdiv(Tq, block_t) + B
+    return block_t, block_h, block_n, span, groups
+
+
+def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
+                   causal=True):
+    """``mla.ops.reference.indexer_logits`` on the kernel: q [Tq, n, d], weights [Tq, n] float32,
+    index_cache [num_blocks, block_size, d] -> logits [Tq, max_seqlen_k] float32."""
+    Tq, nh, d = q.shape
+    B = block_table.shape[0]
+    out = torch.empty(Tq, max_seqlen_k, dtype=torch.float32, device=q.device)
+    if Tq == 0 or max_seqlen_k == 0:
+        return out
+    if B == 0 or nh == 0:
+        return out.fill_(float("-inf"))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    index_cache = index_cache if index_cache.stride(-1) == 1 else index_cache.contiguous()
+    weights = weights.contiguous()
+    block_t, block_h, block_n, span, groups = logits_schedule(nh, Tq, B, max_seqlen_k, q.device)
+    _logits_kernel[(groups, triton.cdiv(max_seqlen_k, span))](
+        q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, out,
+        q.stride(0), q.stride(1), weights.stride(0), index_cache.stride(0), index_cache.stride(1),
+        block_table.stride(0), out.stride(0),
+        B, nh, d, index_cache.shape[1], max(block_table.shape[1], 1), max(index_cache.shape[0], 1), max_seqlen_k,
+        span, softmax_scale,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, BLOCK_B=triton.next_power_of_2(B + 1),
+        num_warps=4 if block_t * block_h <= 64 else 8,
+    )
+    return out
+
+
+def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
+    """``mla.ops.reference.topk_indices`` on the GPU: logits [Tq, K] float32 -> [Tq, topk] int32
+    flat slots, best first, ties to the lower key, -1 past the keys a query sees."""
+    Tq, K = logits.shape
+    out = torch.full((Tq, topk), -1, dtype=torch.int32, device=logits.device)
+    k = min(topk, K)
+    if Tq == 0 or k == 0:
+        return out
+    bits = logits.view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order = float order (NaN aside)
+    col = torch.arange(K, device=logits.device, dtype=torch.int64)
+    keys = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - col)      # the lower column wins a tie
+    best = torch.topk(keys, k, dim=-1, sorted=True).values
+    pos = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+    neg_inf = torch.tensor(float("-inf"), device=logits.device).view(torch.int32)
+    seen = (best >> 32) != (neg_inf ^ ((neg_inf >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), torch.arange(Tq, device=logits.device, dtype=torch.int32),
+                             right=True).clamp(max=max(block_table.shape[0] - 1, 0))
+    column = (pos // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    slots = block_table.long()[seq[:, None], column] * block_size + pos % block_size
+    out[:, :k] = torch.where(seen, slots, -1).to(torch.int32)
+    return out
