@@ -3,6 +3,13 @@
 Sequences keep the caller's order; token rows of ``hidden_states`` follow it. Sequence b
 brings ``num_new[b]`` tokens on top of ``num_cached[b]`` already stored; its new tokens
 take positions num_cached[b] .. num_cached[b] + num_new[b] - 1.
+
+A *static* batch (``static=True``) is a ``mla.StepGraph``'s bucket: its tensors are the graph's
+preallocated buffers, refilled before every replay from a batch ``prepare`` made, so its host
+fields describe the bucket, not a step: ``seq_ids`` are placeholders (None), ``num_new`` is
+s_q for every row (padding rows included) and ``num_cached`` is unknown (zeros; read
+``cache_seqlens``). The strategy plan of a static batch is the pure decode plan
+(``strategy.decode_plan``), which reads none of them.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ class Batch:
     block_size: int
     cache: Any = field(repr=False)       # the PagedLatentCache the step writes to
     versions: tuple[int, ...] = field(default=(), repr=False)   # each sequence's version at prepare
+    static: bool = False                 # a StepGraph's bucket (module docstring)
     _checked: int = field(default=-1, repr=False)   # the cache's change count it was last checked at
     _memo: dict = field(default_factory=dict, repr=False)
 
@@ -57,6 +65,11 @@ class Batch:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+    def clear_memo(self) -> None:
+        """Drop the derived per-step data: a static batch's buffers hold another step's values
+        at every replay, so what was derived from them must be derived again."""
+        self._memo.clear()
 
     def remember(self, key: Hashable, value: Any) -> None:
         """Store per-step data a later layer reads (a sparse layer's top-k for GLM-5's shared

@@ -244,6 +244,15 @@ class PagedLatentCache:
                                  "(prepare, fork, truncate or release); prepare a new batch")
         batch._checked = self._changes
 
+    def adopt(self, batch: Batch) -> None:
+        """Let a static batch of this cache pass ``check_batch``: a ``mla.StepGraph``'s bucket
+        (``batch.static``), whose buffers the graph refills before every replay from a batch this
+        cache prepared, and checks that one first. It holds no sequence, so it is never stale."""
+        if not (isinstance(batch, Batch) and batch.static and batch.cache is self and not batch.versions):
+            raise ValueError(f"batch: expected a static Batch of this cache without versions, got "
+                             f"{'a Batch' if isinstance(batch, Batch) else type(batch).__name__}")
+        self._prepared.add(batch)
+
     # ---- internals -------------------------------------------------------------------------
     def _changed(self, seq_id: Hashable) -> None:
         self._changes += 1

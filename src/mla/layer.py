@@ -309,9 +309,10 @@ class MLA(nn.Module):
         """hidden_states [T, D] (T = batch.num_tokens, rows in the batch's sequence order) -> [T, D]."""
         self._check(hidden_states, batch)
         cfg, H, T = self.cfg, self.num_local_heads, batch.num_tokens
+        plan = self.plan(batch)     # before any write: a plan the batch cannot have raises here
         shared = None   # GLM-5's shared layers: the top-k an earlier layer selected (checked before any write)
         if cfg.has_indexer and not self.has_own_indexer:
-            shared = sparse.shared_indices(self, batch, self.plan(batch).sparse)
+            shared = sparse.shared_indices(self, batch, plan.sparse)
         r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         gate_logits = None
         a = F.linear(hidden_states, self.w_a, self.b_a)
@@ -342,7 +343,6 @@ class MLA(nn.Module):
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
 
-        plan = self.plan(batch)
         Hs = self.num_slice_heads
         attn = torch.empty(T, Hs, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
         q_slice = q[:, self.slice_start: self.slice_start + Hs]     # the context paths' heads

@@ -20,6 +20,12 @@ The cost rule (DESIGN.md section 2), per sequence with c cached and n new tokens
   form over the latent cache, sparse.py). With c + n <= index_topk every query sees at most
   index_topk keys, so the top-k selects all of them: the dense paths above give the identical
   result, and serve those sequences.
+
+A batch of decodes only (every sequence absorbed, all with the same s_q) gets the **decode
+plan** (``decode_plan``): one absorbed group over all rows, on the batch's own block table and
+lengths, with no index tensor built and nothing copied to the device. It is the only plan of a
+static batch (a ``mla.StepGraph``'s bucket), whose host lengths are not the replay's: a CUDA
+graph replays it whatever the lengths in its buffers.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from .batch import Batch
 from .config import MLAConfig
 
 __all__ = ["STRATEGIES", "absorb_max_new", "choose_strategy", "Plan", "Group", "Pass", "SparseChunk", "build_plan",
-           "sparse_chunks"]
+           "decode_plan", "sparse_chunks"]
 
 STRATEGIES = ("prefill", "cached", "chunked", "absorbed", "sparse")
 
@@ -118,6 +124,8 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
     one rank: every sequence with one takes the absorbed path, whose partials the ranks combine.
     """
     cp_size = batch.cache.cp_size
+    if batch.static:
+        return _static_plan(batch, cfg, force)
     dev = batch.device
     offsets = batch.token_offsets()
     strategy = []
@@ -133,6 +141,10 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
                                                   or cfg.attention_sinks):
             s = "sparse"
         strategy.append(s)
+    s_q = batch.num_new[0] if batch.num_new else 0
+    if strategy and all(s == "absorbed" for s in strategy) and all(n == s_q for n in batch.num_new) and (
+            cp_size == 1 or s_q == 1):
+        return decode_plan(batch, s_q)
     plan = Plan(strategy)
 
     def ints(x, dtype=torch.int32):
@@ -211,6 +223,32 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
     if by["sparse"]:
         plan.sparse = sparse_chunks(batch, cfg, by["sparse"], max_workspace_tokens, ints)
     return plan
+
+
+def decode_plan(batch: Batch, s_q: int) -> Plan:
+    """The plan of a batch whose every sequence brings s_q tokens over a cached prefix: one
+    absorbed group of all its rows, on the batch's block_table and cache_seqlens themselves
+    (under Helix CP only for s_q 1, where no query needs its own count of visible rows)."""
+    B = batch.num_seqs
+    group = Group(list(range(B)), slice(0, B * s_q), s_q=s_q, block_table=batch.block_table,
+                  cache_seqlens=batch.cache_seqlens)
+    return Plan(["absorbed"] * B, absorbed=[group])
+
+
+def _static_plan(batch: Batch, cfg: MLAConfig, force: str | None) -> Plan:
+    """The decode plan of a static batch, or a ValueError where the rule would choose another
+    path for some lengths (the plan of a CUDA graph cannot depend on them)."""
+    s_q = batch.num_new[0]
+    if force not in (None, "absorbed", "prefill"):   # "prefill" never applies over a cached prefix
+        raise ValueError(f"strategy: a static (CUDA-graph) decode batch runs the absorbed path, the layer forces "
+                         f"{force!r}; expected None or 'absorbed'")
+    if cfg.has_indexer:
+        raise ValueError(f"batch: {cfg.name!r} has a sparse indexer, whose path depends on each sequence's length; "
+                         "a static (CUDA-graph) batch cannot serve it")
+    if s_q > absorb_max_new(cfg) or (batch.cache.cp_size > 1 and s_q > 1):
+        raise ValueError(f"batch: a static batch of s_q={s_q} is not a decode batch the absorbed path serves alone "
+                         f"(s_q <= {absorb_max_new(cfg)}, and 1 under Helix CP)")
+    return decode_plan(batch, s_q)
 
 
 def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_tokens: int, ints
