@@ -2,17 +2,21 @@
 table divides by, the tables themselves, the options, and what each command says without CUDA."""
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import mla
 from mla import bench
-from mla.bench import decode, report, roofline, timing
+from mla import quant
+from mla.bench import decode, report, roofline, sparse, sparse_cases, sparse_checks, sparse_providers, timing
 from mla.bench.decode_providers import decode_variant
 from mla.ops.decode.portable import DecodeConfig
 
@@ -192,7 +196,7 @@ def test_bench_help_lists_the_benchmarks(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(op in out for op in ("decode", "prefill", "layer"))
+    assert e.value.code == 0 and all(op in out for op in ("decode", "prefill", "layer", "sparse"))
 
 
 @no_cuda
@@ -203,7 +207,7 @@ def test_demo_on_cuda_without_cuda_says_so_in_one_line():
 
 
 @no_cuda
-@pytest.mark.parametrize("op", ["decode", "prefill", "layer"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "layer", "sparse"])
 def test_bench_without_cuda_says_so_on_stderr(op):
     r = run_mla("bench", op)
     assert r.returncode == 1 and r.stdout == ""
@@ -234,3 +238,244 @@ def test_op_and_naive_providers_on_a_cpu_case(kv_format, r, dr):
     assert bench.rel_err(op.call(c["kv"]), ref) < 1e-6          # the reference itself on CPU
     naive = naive_provider()(c)
     assert naive.kernel == "" and bench.rel_err(naive.call(c["kv"]), ref) < 2e-2
+
+
+# ------------------------------------------------------------------ mla bench sparse
+
+def test_sparse_bytes_and_flops_by_hand():
+    # H 128, B 32, s_q 1, top-2048: 2048 rows a query (656 B FP8, 1152 B bf16), q in (576) and out (512) bf16
+    assert sparse.sparse_decode_bytes(128, 32, 1, 2048, "fp8_tile") == 32 * 2048 * 656 + 32 * 128 * 1088 * 2 \
+        == 51_904_512
+    assert sparse.sparse_decode_bytes(128, 32, 1, 2048, "bf16") == 84_410_368
+    assert sparse.sparse_decode_flops(128, 32, 1, 2048) == 2 * 32 * 128 * 2048 * 1088 == 18_253_611_008
+    assert sparse.sparse_decode_bytes(64, 4, 2, 256) == 4 * 2 * 256 * 1152 + 4 * 2 * 64 * 1088 * 2
+    # prefill, 128 heads, 4096 queries over 32768 rows: every row once, int32 indices, q in, out
+    assert sparse.sparse_prefill_flops(128, 4096, 2048) == 2_336_462_209_024
+    assert sparse.sparse_prefill_bytes(128, 4096, 32768, 2048) == 32768 * 1152 + 4096 * 2048 * 4 + 4096 * 128 * 1088 * 2
+    # indexer, B 32 over 32768 bf16 keys of 128, 64 heads; float32 weights and logits, int32 slots
+    assert sparse.indexer_bytes("logits", 32, 32768, 64, 128, 2048) == 273_162_240
+    assert sparse.indexer_bytes("topk", 32, 32768, 64, 128, 2048) == 32 * 32768 * 4 + 32 * 2048 * 4
+    assert sparse.indexer_bytes("both", 32, 32768, 64, 128, 2048) == 269_230_080
+    assert sparse.indexer_flops("logits", 32, 32768, 64, 128) == 2 * 32 * 64 * 32768 * 128
+    assert sparse.indexer_flops("topk", 32, 32768, 64, 128) == 0
+
+
+def test_sparse_metrics_match_flashmlas_measured_figure():
+    # FlashMLA, 128 heads, B 32, s_q 1, FP8 rows: 68.4 us is 267 TFLOP/s (peers.md); compute-bound at 23.1 us
+    m = sparse._metrics(68.4, sparse.sparse_decode_bytes(128, 32, 1, 2048, "fp8_tile"),
+                        sparse.sparse_decode_flops(128, 32, 1, 2048))
+    assert m["TFLOPs"] == pytest.approx(266.9, abs=0.1) and m["TBps"] == pytest.approx(0.759, abs=1e-3)
+    assert m["roof"] == pytest.approx(23.1 / 68.4, abs=1e-3)
+
+
+def test_sparse_options_default_to_issue_32s_grid():
+    g = sparse.grid(parse("sparse"))
+    assert g.sections == ("decode", "prefill", "indexer") and g.peers
+    assert (g.heads, g.batch, g.s_q, g.topk, g.context, g.page, g.kv) == (
+        (16, 64, 128), (32, 128), (1, 2), 2048, 32768, 64, ("bf16", "fp8_tile"))
+    assert (g.prefill_heads, g.prefill_queries, g.prefill_kv, g.index_heads, g.index_dim) == ((64, 128), 4096, 32768,
+                                                                                                64, 128)
+    sparse.validate(parse("sparse"))
+
+
+def test_sparse_quick_shrinks_only_what_is_not_given():
+    g = sparse.grid(parse("sparse", "--quick", "--topk", "256", "--heads", "64"))
+    assert (g.topk, g.heads, g.context, g.batch, g.prefill_queries) == (256, (64,), 4096, (4,), 512)
+    g = sparse.grid(parse("sparse", "--section", "indexer", "prefill", "indexer", "--no-peers", "--kv", "fp8_tile"))
+    assert g.sections == ("indexer", "prefill") and not g.peers and g.kv == ("fp8_tile",)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--topk", "0"), "positive"), (("--section", "dense"), "invalid choice"), (("--kv", "fp8"), "invalid choice"),
+    (("--topk", "5000", "--context", "4096"), "at most --context (4096)"),
+    (("--section", "prefill", "--topk", "40000"), "at most --prefill-kv (32768)"),
+])
+def test_bad_sparse_options_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["sparse", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@no_cuda
+def test_bench_sparse_without_peers_or_cuda_says_so_in_one_line():
+    r = run_mla("bench", "sparse", "--quick", "--no-peers")
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith("mla bench sparse: needs a CUDA GPU")
+    assert r.stderr.count("\n") == 1
+
+
+def test_random_positions_are_distinct_and_in_range():
+    pos = sparse_cases.random_positions(50, 300, 64, torch.Generator().manual_seed(0))
+    assert pos.shape == (50, 64) and pos.min() >= 0 and pos.max() < 300
+    assert all(len(set(row)) == 64 for row in pos.tolist())
+    assert not (pos.sort(-1).values == pos).all()     # random order, as a top-k by score gives them
+
+
+def test_slots_go_through_the_shuffled_block_table():
+    table = torch.tensor([[5, 2, 7], [0, 6, 1]], dtype=torch.int32)
+    pos = torch.tensor([[[0, 17, 35]], [[16, 3, 47]]])
+    got = sparse_cases.slots(pos, table, 16)
+    assert got.dtype == torch.int32 and got.tolist() == [[[80, 33, 115]], [[96, 3, 31]]]   # 5*16+0, 2*16+1, ...
+
+
+def test_holes_sit_at_the_tail_of_every_seventh_query():
+    idx = sparse_cases.punch_holes(torch.arange(2 * 10 * 12, dtype=torch.int32).view(2, 10, 12))
+    rows = idx.view(-1, 12)
+    holed = [q for q in range(20) if (rows[q] == -1).any()]
+    assert holed == [6, 13]
+    assert (rows[6, -5:] == -1).all() and (rows[6, :-5] >= 0).all()
+
+
+def test_decode_cache_on_cpu():
+    cache = sparse_cases.decode_cache(4, 100, 16, 2, 32, "fp8_tile", device="cpu")
+    kv, table, idx = cache["kv"], cache["table"], cache["indices"]
+    assert kv.shape == (4 * 7, 16, 656) and kv.dtype == torch.uint8 and table.shape == (4, 7)
+    assert sorted(table.flatten().tolist()) == list(range(28))          # every block once, shuffled
+    assert idx.shape == (4, 2, 32) and ((idx >= -1) & (idx < 28 * 16)).all()
+    assert (idx == -1).sum() == sparse_cases.HOLES and (idx[3, 0, -5:] == -1).all()   # query 6 of the 8
+    rows = quant.dequantize_rows(kv.view(-1, 656), "fp8_tile", 512)
+    named = torch.zeros(28 * 16, dtype=torch.bool)
+    named[idx[idx >= 0].long()] = True
+    assert rows[named].isfinite().all() and rows[~named].isnan().all()  # a stray read shows as NaN
+    for b in range(4):   # each query's slots lie in its own sequence's blocks, below the context
+        for s in idx[b].flatten().tolist():
+            if s >= 0:
+                assert s // 16 in table[b].tolist() and table[b].tolist().index(s // 16) * 16 + s % 16 < 100
+    c = sparse_cases.decode_case(cache, 5, 1)
+    assert c["q"].shape == (4, 1, 5, 576) and torch.equal(c["indices"], idx[:, :1])
+
+
+def test_prefill_and_indexer_cases_on_cpu():
+    c = sparse_cases.prefill_case(4, 20, 50, 16, device="cpu")
+    assert c["q"].shape == (20, 4, 576) and c["kv"].shape == (50, 1, 576) and c["indices"].shape == (20, 1, 16)
+    assert (c["indices"][6, 0, -5:] == -1).all() and c["indices"].max() < 50
+    c = sparse_cases.indexer_case(3, 100, 4, 16, 16, device="cpu")
+    assert c["q"].shape == (3, 4, 16) and c["keys"].shape == (21, 16, 16) and c["weights"].dtype == torch.float32
+    assert c["cu_seqlens_q"].tolist() == [0, 1, 2, 3] and c["seqlens"].tolist() == [100] * 3
+
+
+def test_sparse_compare():
+    out, lse = torch.randn(2, 3, 8), torch.randn(2, 3)
+    lse[1, 2] = float("-inf")
+    assert sparse_checks.compare(out, lse, out, lse)["check"] == "ok"
+    assert sparse_checks.compare(out * 1.01, lse, out, lse)["check"] == "FAIL"
+    bad = out.clone()
+    bad[0, 0, 0] = float("nan")
+    assert math.isnan(sparse_checks.compare(bad, lse, out, lse)["rel_err"])
+    moved = lse.clone()
+    moved[1, 2] = 0.0
+    assert math.isnan(sparse_checks.compare(out, moved, out, lse)["lse_err"])
+    assert sparse_checks.compare(out, lse / math.log(2), out, lse)["check"] == "FAIL: lse in base 2"
+
+
+def test_sparse_compare_topk():
+    from mla.ops import reference
+
+    c = sparse_cases.indexer_case(3, 100, 4, 16, 16, device="cpu")
+    logits = torch.randn(3, 100)                                        # all below 10
+    logits[1, [3, 4, 5]] = 20.0
+    logits[1, [7, 9]] = 10.0                # a tie for the last place of query 1: the reference takes key 7
+    ref = reference.topk_indices(logits, 4, c["table"], c["cu_seqlens_q"], 16)
+    slot = lambda key: sparse_cases.slots(torch.tensor([[key]]), c["table"][1:2], 16)[0, 0]  # noqa: E731
+    assert ref[1, 3] == slot(7)
+    keys = sparse_checks.slot_keys(c["table"], 16, 100, 21 * 16)
+    assert sparse_checks.compare_topk(ref[:, [3, 1, 0, 2]], ref, logits, keys) == dict(check="ok",
+                                                                                        detail="same sets 100.0%")
+    other = ref.clone()
+    other[1, 3] = slot(9)                   # the other tied key: the same scores, another set
+    assert sparse_checks.compare_topk(other, ref, logits, keys) == dict(check="ok", detail="same sets 66.7%")
+    twice = ref.clone()
+    twice[0, 1] = twice[0, 0]
+    assert sparse_checks.compare_topk(twice, ref, logits, keys)["check"] == "FAIL"
+    foreign = ref.clone()
+    foreign[0, 0] = ref[2, 0]          # a slot of sequence 2 for query 0
+    assert sparse_checks.compare_topk(foreign, ref, logits, keys)["check"] == "FAIL"
+
+
+def test_sparse_compare_logits():
+    ref = torch.randn(2, 10)
+    ref[1, 8:] = float("-inf")
+    assert sparse_checks.compare_logits(ref * (1 + 1e-7), ref)["check"] == "ok"
+    assert sparse_checks.compare_logits(ref * (1 + 1e-4), ref)["check"] == "FAIL"
+    assert sparse_checks.compare_logits(ref.nan_to_num(neginf=-1e30), ref)["check"] == "FAIL"
+
+
+def test_flashmla_refusals():
+    refusal = sparse_providers.flashmla_refusal
+    assert refusal("decode", 128, 2048, "fp8_tile") is None and refusal("decode", 64, 512, "fp8_tile") is None
+    assert refusal("decode", 128, 2048, "bf16") == "FlashMLA's sparse decode reads FP8 656-byte rows only"
+    assert "64 or 128 heads, not 16" in refusal("decode", 16, 2048, "fp8_tile")
+    assert "multiple of 64, not 100" in refusal("decode", 128, 100, "fp8_tile")
+    assert refusal("fwd", 64, 2048, "bf16") is None
+    assert "multiple of 128, not 192" in refusal("fwd", 128, 192, "bf16")
+    assert refusal("fwd", 128, 2048, "fp8_tile") == "FlashMLA's sparse prefill kernel reads bf16 rows only"
+
+
+def test_sparse_providers_without_flashmla():
+    assert sparse_providers.flash_mla_or_reason(False) is None
+    if importlib.util.find_spec("flash_mla") is None:
+        assert "not importable" in sparse_providers.flash_mla_or_reason(True)
+    assert list(sparse_providers.decode_providers(None)) == ["mla.ops"]
+    provs = sparse_providers.prefill_providers("flash_mla is not importable (x)")
+    assert list(provs) == ["mla.ops", "flashmla"]
+    with pytest.raises(sparse_providers.NotApplicable, match="not importable"):
+        provs["flashmla"]({})
+
+
+def test_mla_providers_on_cpu_cases():
+    from mla.ops import reference
+
+    cache = sparse_cases.decode_cache(2, 64, 16, 2, 16, "fp8_tile", device="cpu")
+    c = sparse_cases.decode_case(cache, 3, 2)
+    t = sparse_providers.mla_decode_provider()(c)
+    out, lse = t.result(t.call(c["kv"]))
+    want = reference.sparse_mla_decode(c["q"], c["kv"], c["indices"], 512, c["scale"])
+    assert sparse_checks.compare(out, lse, *want) == dict(rel_err=0.0, lse_err=0.0, check="ok")
+    c = sparse_cases.prefill_case(3, 10, 40, 8, device="cpu")
+    t = sparse_providers.mla_prefill_provider()(c)
+    out, lse = t.result(t.call(c["kv"]))
+    assert sparse_checks.compare(out, lse, *reference.sparse_prefill_attention(c["q"], c["kv"], c["indices"],
+                                                                               c["scale"], 512))["check"] == "ok"
+
+
+def test_flashmla_results_in_mla_conventions():
+    # FlashMLA's decode lse comes [B, H, s_q] with +inf for a query with no index; its prefill lse [s_q, H], +inf too
+    lse = torch.tensor([[[0.5, float("inf")], [1.5, float("inf")], [2.5, float("inf")]]])      # B 1, H 3, s_q 2
+    fm = SimpleNamespace(get_mla_metadata=lambda: (object(), None),
+                         flash_mla_with_kvcache=lambda *a, **k: (torch.zeros(1, 2, 3, 512), lse),
+                         flash_mla_sparse_fwd=lambda *a: (torch.zeros(2, 3, 512), None, lse[0].T))
+    c = dict(H=64, kv_format="fp8_tile", topk=64, kv=torch.zeros(1, 64, 656, dtype=torch.uint8), q=None, indices=None,
+             scale=0.1)
+    t = sparse_providers.flashmla_decode_provider(fm)(c)
+    out, got = t.result(t.call(c["kv"]))
+    assert got.shape == (1, 2, 3) and got[0, 0].tolist() == [0.5, 1.5, 2.5] and got[0, 1].isneginf().all()
+    t = sparse_providers.flashmla_prefill_provider(fm)(dict(c, topk=128, kv=None))
+    out, got = t.result(t.call(None))
+    assert got.shape == (2, 3) and got[1].isneginf().all()
+
+
+def test_fixed_lines_and_peer_ratio():
+    cols = [("H", 4, "d"), ("provider", 9, "<"), ("check", 5, "<"), ("us", 7, ".1f"), ("mla/flashmla", 12, ".2f")]
+    head, rule = report.fixed_header(cols).splitlines()
+    assert head.split() == ["H", "provider", "check", "us", "mla/flashmla"] and set(rule) == {"-"}
+    rows = [dict(H=128, provider="mla.ops", check="ok", us=80.0), dict(H=128, provider="flashmla", check="ok", us=64.0)]
+    sparse.add_peer_ratio(rows)
+    assert rows[0]["mla/flashmla"] == 1.25 and "mla/flashmla" not in rows[1]
+    assert report.fixed_line(rows[0], cols, "check").split() == ["128", "mla.ops", "ok", "80.0", "1.25"]
+    assert report.fixed_line(rows[1], cols, "check").split()[-1] == "-"
+    na = dict(H=16, provider="flashmla", check="n/a", note="n/a: 64 or 128 heads")
+    assert report.fixed_line(na, cols, "check") == "  16 flashmla  n/a: 64 or 128 heads"
+
+
+def test_indexer_budget_against_the_128_head_decode():
+    rows = [dict(section="decode", H=128, B=32, s_q=1, kv="fp8_tile", provider="mla.ops", us=80.0),
+            dict(section="decode", H=128, B=32, s_q=2, kv="fp8_tile", provider="mla.ops", us=150.0),
+            dict(section="decode", H=64, B=32, s_q=1, kv="fp8_tile", provider="mla.ops", us=50.0),
+            dict(section="decode", H=128, B=32, s_q=1, kv="fp8_tile", provider="flashmla", us=64.0),
+            dict(section="indexer", B=32, step="logits", us=12.0), dict(section="indexer", B=32, step="topk", us=8.0),
+            dict(section="indexer", B=128, step="logits", us=40.0), dict(section="indexer", B=128, step="topk", us=9.0)]
+    b32, b128 = sparse.indexer_budget(rows, (32, 128))
+    assert b32["us"] == 20.0 and b32["of_mla.ops_fp8_tile"] == 0.25 and b32["of_flashmla_fp8_tile"] == 20 / 64
+    assert "25% of mla.ops fp8_tile (80.0 us)" in b32["text"] and "target <= 25%" in b32["text"]
+    assert b128["us"] == 49.0 and "n/a" in b128["text"]

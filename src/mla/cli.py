@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     # each command parses its own options (so ``mla bench decode --help`` is the benchmark's help)
     sub.add_parser("demo", help="a serving trace on a small DeepSeek-shaped model, checked step by step",
                    add_help=False)
-    sub.add_parser("bench", help="GPU benchmarks: mla bench decode|prefill|layer --help", add_help=False)
+    sub.add_parser("bench", help="GPU benchmarks: mla bench decode|prefill|layer|sparse --help", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

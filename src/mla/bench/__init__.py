@@ -3,6 +3,7 @@
     mla bench decode  [options]    absorbed MLA decode over a paged latent cache   (decode.py)
     mla bench prefill [options]    prefill attention and the memory-bound prefill ops (prefill.py)
     mla bench layer   [options]    the whole layer's context phase                 (layer.py)
+    mla bench sparse  [options]    sparse decode, sparse prefill and the indexer   (sparse.py)
 
 Every benchmark times with ``timing`` (one timer) against the ceilings of ``roofline``, and
 prints with ``report``. Exit status: 0 when it ran, 1 when it cannot run here (no CUDA GPU) or
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import decode, layer, prefill
+from . import decode, layer, prefill, sparse
 from .decode import decode_bytes, decode_case, decode_flops, decode_metrics, row_bytes
 from .decode_providers import flashinfer_provider, naive_provider, op_provider, rel_err, triton_provider
 from .roofline import COPY_BYTES_PER_S, GEMM_FLOPS_PER_S, roofline_us
@@ -23,13 +24,13 @@ __all__ = ["main", "decode_case", "decode_bytes", "decode_flops", "decode_metric
            "triton_provider", "flashinfer_provider", "naive_provider", "rel_err", "graph_time_us",
            "eager_time_us", "rotated_copies", "roofline_us", "COPY_BYTES_PER_S", "GEMM_FLOPS_PER_S"]
 
-OPS = {"decode": decode, "prefill": prefill, "layer": layer}
+OPS = {"decode": decode, "prefill": prefill, "layer": layer, "sparse": sparse}
 
 
 def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """``mla bench``'s parser and the parser of each benchmark, by name."""
     p = argparse.ArgumentParser(prog="mla bench", description="Kernel and layer benchmarks on one CUDA GPU.")
-    sub = p.add_subparsers(dest="op", required=True, metavar="{decode,prefill,layer}")
+    sub = p.add_subparsers(dest="op", required=True, metavar="{" + ",".join(OPS) + "}")
     subs = {}
     for name, mod in OPS.items():
         doc = mod.__doc__.split("\n\n")   # title, synopsis (argparse writes its own), details

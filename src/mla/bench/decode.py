@@ -37,7 +37,7 @@ from .roofline import roofline_us
 from .timing import graph_time_us, rotated_copies
 
 __all__ = ["add_args", "validate", "run", "decode_case", "decode_bytes", "decode_flops", "decode_metrics",
-           "decode_grid", "row_bytes"]
+           "decode_grid", "row_bytes", "positive_int"]
 
 KV_FORMATS = ("bf16", "fp8", "fp8_tile")
 
@@ -98,7 +98,8 @@ def decode_grid(args) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type of the benchmarks' sizes: an integer >= 1, else argparse's usage error."""
     try:
         n = int(text)
     except ValueError:
@@ -109,17 +110,17 @@ def _positive(text: str) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heads", type=_positive, nargs="+", default=None, help="head counts (default 16 128)")
-    p.add_argument("--batch", type=_positive, nargs="+", default=[1, 32, 128])
-    p.add_argument("--kv-len", type=_positive, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--s-q", type=_positive, nargs="+", default=None,
+    p.add_argument("--heads", type=positive_int, nargs="+", default=None, help="head counts (default 16 128)")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--kv-len", type=positive_int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--s-q", type=positive_int, nargs="+", default=None,
                    help="query tokens per sequence (default: 1, and also 2 for 128 heads)")
-    p.add_argument("--page", type=_positive, default=64, help="block size of the paged cache")
+    p.add_argument("--page", type=positive_int, default=64, help="block size of the paged cache")
     p.add_argument("--kv", nargs="+", default=["bf16"], choices=KV_FORMATS,
                    help="cache formats: bf16 rows (1152 B), fp8 per-tensor (576 B), fp8 tile rows (656 B)")
-    p.add_argument("--kv-lora", type=_positive, default=512, metavar="R",
+    p.add_argument("--kv-lora", type=positive_int, default=512, metavar="R",
                    help="latent width r (kv_lora_rank, default 512); the value is the first r of each row")
-    p.add_argument("--rope", type=_positive, default=64, metavar="DR",
+    p.add_argument("--rope", type=positive_int, default=64, metavar="DR",
                    help="rope width dr (qk_rope_head_dim, default 64); a row holds r + dr values")
     p.add_argument("--variants", default="default",
                    help="comma list of portable-kernel schedules to time: default, or e.g. w4-n32-s3-x2 "

@@ -4,7 +4,8 @@ from __future__ import annotations
 import csv
 import sys
 
-__all__ = ["write_csv", "print_rows", "add_ratios", "decode_table", "decode_summary", "decode_plot"]
+__all__ = ["write_csv", "print_rows", "fixed_header", "fixed_line", "add_ratios", "decode_table", "decode_summary",
+           "decode_plot"]
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -21,6 +22,30 @@ def print_rows(rows: list[dict], cols: list[str]) -> None:
     print(" | ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
+
+
+def _cell(value, width: int, spec: str) -> str:
+    if value is None:
+        value = "-"
+    if isinstance(value, str):
+        return value.ljust(width) if spec == "<" else value.rjust(width)
+    return format(value, spec).rjust(width)
+
+
+def fixed_header(cols: list[tuple[str, int, str]]) -> str:
+    """The header of ``fixed_line``'s table, and a rule under it."""
+    text = " ".join(_cell(k, w, "<" if s == "<" else "") for k, w, s in cols)
+    return text + "\n" + "-" * len(text)
+
+
+def fixed_line(row: dict, cols: list[tuple[str, int, str]], stop: str | None = None) -> str:
+    """One row in fixed columns, for tables printed a row at a time (a run cut short keeps its
+    lines). cols: (key, width, format spec; "<" for left-aligned text); a missing value is "-".
+    A row with a ``note`` or an ``error``: the columns before ``stop``, then that text."""
+    if stop is not None and ("note" in row or "error" in row):
+        cols = cols[:[c[0] for c in cols].index(stop)]
+        return " ".join(_cell(row.get(k), w, s) for k, w, s in cols) + " " + row.get("note", row.get("error", ""))
+    return " ".join(_cell(row.get(k), w, s) for k, w, s in cols)
 
 
 def _key(r):
