@@ -198,7 +198,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 @gpu
 @pytest.mark.parametrize("N,K", [(24576, 1536), (7168, 16384), (2112, 7168)], ids=["q_b", "o_proj", "kv_a+q_a"])
-@pytest.mark.parametrize("M", [1, 64, 4096])
+@pytest.mark.parametrize("M", [1, 64, 499, 4096])
 def test_gpu_deepseek_shapes(M, N, K):
     x, w, s = make(M, N, K, dtype=torch.bfloat16, device="cuda", seed=M)
     q, qs = mla.ops.quantize_act_1x128(x)

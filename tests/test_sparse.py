@@ -106,6 +106,17 @@ def test_topk_indices_ties_padding_and_slots(backend):
                                backend=backend)
     assert (out[0, 7:] == -1).all()
     assert sorted(out[0, :7].tolist()) == sorted(_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7))
+    # many ties (+0.0 and -0.0 among them), rows with nothing or little visible, topk past K,
+    # huge values: the reference's selection and order exactly
+    for Tq, K, k in ((5, 300, 37), (3, 100, 128), (4, 1000, 64), (2, 7, 3)):
+        x = torch.randn(Tq, K, generator=g).round(decimals=1)
+        x[0, K // 2:] = inf
+        x[1] = inf
+        x[-1, :5], x[-1, 5:8], x[-1, 8:10] = 1e30, -1e30, -0.0
+        tab = torch.randperm(2 * -(-K // bs) + 5, generator=g)[:2 * -(-K // bs)].view(2, -1).int()
+        cu = torch.tensor([0, Tq // 2, Tq], dtype=torch.int32)
+        want = mla.ops.topk_indices(x, k, tab, cu, bs, backend="torch")
+        assert torch.equal(mla.ops.topk_indices(x, k, tab, cu, bs, backend=backend), want)
 
 
 def sparse_oracle(q, rows_per_query, scale, dv, sink=None):
@@ -210,7 +221,8 @@ def test_sparse_kernel_splits_sink_and_fp16(splits):
     B, s_q, _, d = q.shape
     for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         out, lse = sparse_attention.launch(q.view(-1, H, d).to(dtype), cache.to(dtype), idx.view(B * s_q, -1), r,
-                                           0.1, attn_sink=sink, num_splits=splits)
+                                           0.1, attn_sink=sink, config=sparse_attention.SparseConfig(
+                                               16, 16, 4, 1, splits))
         clean = idx.clone()
         clean[1, 0, -3:] = -1
         want_o, want_l = sparse_oracle(q.view(-1, H, d).to(dtype), rows_of(flat.to(dtype), clean), 0.1, r, sink)

@@ -233,7 +233,13 @@ except ImportError:
 
 
 def scaled_mm_blockwise(x, weight, weight_scale_inv):
-    """y [M, N] bf16 = x @ W^T through torch's scaled_mm (x quantized by this module's kernel)."""
+    """y [M, N] bf16 = x @ W^T through torch's scaled_mm (x quantized by this module's kernel).
+    cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) scales whose leading dimension M is not a
+    multiple of 4 (16 bytes), so such an x gets zero rows up to the next multiple of 16, and
+    the result is cut back to M."""
+    M = x.shape[0]
+    if M % 16:
+        return scaled_mm_blockwise(F.pad(x, (0, 0, 0, -M % 16)), weight, weight_scale_inv)[:M]
     x_q, x_s = quantize_act_1x128(x)
     x_s = x_s.t().contiguous().t()                                        # scales outer-dim-major
     padded = F.pad(weight_scale_inv, (0, -weight_scale_inv.shape[1] % 4))   # K blocks padded to 4

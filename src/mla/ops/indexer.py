@@ -17,9 +17,11 @@ Logits (n = index_n_heads, d = index_head_dim):
         logits[t, s] = sum over t's n rows of S, -inf where t does not see s (causal, or past
                        the sequence); every column < max_seqlen_k is written
 
-Top-k: a float's bits, flipped where negative, order like the float; with the key index below
-them (inverted, so the lower index wins a tie) one int64 per logit orders exactly as the
-reference's stable descending sort, and ``torch.topk`` of those gives its selection and order.
+Top-k, one program a query: a float's bits, flipped where negative, order like the float; a
+radix select over those, a byte a pass, finds the k-th largest T; the keys above T and the
+first (by index) equal to it are gathered, each as one int64 (its sortable bits above, its
+inverted index below, so the lower index wins a tie) and sorted: the reference's stable
+descending order, with no device value read on the host.
 """
 from __future__ import annotations
 
@@ -142,25 +144,104 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
     return out
 
 
+@jit
+def _topk_kernel(
+    LOGITS, BT, CU, SCRATCH, OUT,
+    stride_lt, stride_bt, stride_st, stride_ot,
+    K, B, topk, block_size, max_blocks,
+    BLOCK: tl.constexpr, KP: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = LOGITS + t * stride_lt
+    k = tl.minimum(topk, K)
+    bins = tl.arange(0, 256)
+    # radix select of the k-th largest key T, a byte a pass from the top: prefix holds T's bytes
+    # found so far, above counts the keys greater than T
+    prefix = tl.zeros([], dtype=tl.uint32)
+    known = tl.zeros([], dtype=tl.uint32)
+    above = tl.zeros([], dtype=tl.int32)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([256], dtype=tl.int32)
+        for s0 in range(0, K, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
+            match = (s < K) & ((u & known) == prefix)
+            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=match)
+        # the bin holding the (k - above)-th largest of the keys that match so far
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
+        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)
+        above += tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix |= d.to(tl.uint32) << shift
+        known |= tl.full([], 0xFF, tl.uint32) << shift
+    # the k keys: all greater than T, then those equal to T by index (ties to the lower key)
+    need_eq = k - above
+    taken = tl.zeros([], dtype=tl.int32)
+    eq_seen = tl.zeros([], dtype=tl.int32)
+    scratch = SCRATCH + t * stride_st
+    for s0 in range(0, K, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
+        ok = s < K
+        eq = ok & (u == prefix)
+        sel = (ok & (u > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+        at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+        # one int64 a key: its signed order above, the inverted index below (a tie sorts to the
+        # lower index)
+        comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
+        tl.store(scratch + at, comp, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+    tl.debug_barrier()   # the program's scratch writes before its reads
+    j = tl.arange(0, KP)
+    comp = tl.load(scratch + j, mask=j < k, other=-9223372036854775808)
+    comp = tl.sort(comp, descending=True)      # best first; padding (the least int64) last
+    pos = (0x7FFFFFFF - (comp & 0x7FFFFFFF)).to(tl.int32)
+    seen = (comp >> 32).to(tl.int32) != _signed(_sortable(tl.full([KP], float("-inf"), tl.float32)))
+    # the query's sequence: the number of sequences that end at or before it
+    i = tl.arange(0, BLOCK_B)
+    ends = tl.load(CU + 1 + i, mask=i < B, other=2147483647)
+    b = tl.minimum(tl.sum((ends <= t).to(tl.int32), 0), B - 1)
+    blk = tl.load(BT + b.to(tl.int64) * stride_bt + tl.minimum(pos // block_size, max_blocks - 1),
+                  mask=(j < k) & seen, other=0)
+    slot = tl.where((j < k) & seen, blk * block_size + pos % block_size, -1)
+    tl.store(OUT + t * stride_ot + j, slot, mask=j < topk)
+
+
+@jit
+def _sortable(x):
+    """float32 -> uint32 whose unsigned order is the floats' order (NaN aside): the bits, all of
+    them flipped for a negative float, the sign bit alone for a positive one; -0.0 is taken as
+    0.0 (they tie, as in the reference's sort)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) | (-2147483647 - 1))).to(tl.uint32, bitcast=True)
+
+
+@jit
+def _signed(u):
+    """The int32 whose signed order is u's unsigned order (``_sortable``'s keys)."""
+    return u.to(tl.int32, bitcast=True) ^ (-2147483647 - 1)
+
+
 def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
-    """``mla.ops.reference.topk_indices`` on the GPU: logits [Tq, K] float32 -> [Tq, topk] int32
-    flat slots, best first, ties to the lower key, -1 past the keys a query sees."""
+    """``mla.ops.reference.topk_indices`` on the kernel: logits [Tq, K] float32 -> [Tq, topk] int32
+    flat slots, best first, ties to the lower key, -1 past the keys a query sees. One program a
+    query: a radix select (a byte a pass) of the k-th largest logit, the k keys gathered in
+    index order, sorted in registers (``topk`` up to 4096), mapped to slots."""
     Tq, K = logits.shape
-    out = torch.full((Tq, topk), -1, dtype=torch.int32, device=logits.device)
-    k = min(topk, K)
-    if Tq == 0 or k == 0:
+    out = torch.empty(Tq, topk, dtype=torch.int32, device=logits.device)
+    if Tq == 0:
         return out
-    bits = logits.view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order = float order (NaN aside)
-    col = torch.arange(K, device=logits.device, dtype=torch.int64)
-    keys = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - col)      # the lower column wins a tie
-    best = torch.topk(keys, k, dim=-1, sorted=True).values
-    pos = 0xFFFFFFFF - (best & 0xFFFFFFFF)
-    neg_inf = torch.tensor(float("-inf"), device=logits.device).view(torch.int32)
-    seen = (best >> 32) != (neg_inf ^ ((neg_inf >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), torch.arange(Tq, device=logits.device, dtype=torch.int32),
-                             right=True).clamp(max=max(block_table.shape[0] - 1, 0))
-    column = (pos // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
-    slots = block_table.long()[seq[:, None], column] * block_size + pos % block_size
-    out[:, :k] = torch.where(seen, slots, -1).to(torch.int32)
+    if K == 0 or block_table.shape[0] == 0:
+        return out.fill_(-1)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    kp = triton.next_power_of_2(topk)
+    scratch = torch.empty(Tq, kp, dtype=torch.int64, device=logits.device)
+    B = block_table.shape[0]
+    _topk_kernel[(Tq,)](
+        logits, block_table, cu_seqlens_q, scratch, out,
+        logits.stride(0), block_table.stride(0), scratch.stride(0), out.stride(0),
+        K, B, topk, block_size, max(block_table.shape[1], 1),
+        BLOCK=1024 if logits.is_cuda else 64, KP=kp, BLOCK_B=triton.next_power_of_2(B), num_warps=8,
+    )
     return out

@@ -29,6 +29,7 @@ index outside [0, num_slots) is taken as -1, never read.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,7 +39,7 @@ from ._jit import jit, kv_fmt, num_sms
 from .decode.combine import combine
 from .latent_rows import attend_tile, finish, latent_tile, query_rows
 
-__all__ = ["sparse_mla_decode", "sparse_prefill_attention", "schedule", "launch"]
+__all__ = ["sparse_mla_decode", "sparse_prefill_attention", "SparseConfig", "schedule", "launch"]
 
 LOG2E = 1.4426950408889634
 
@@ -72,7 +73,7 @@ def _sparse_kernel(
     if HAS_SINK:
         if split == 0:   # the sink as one more key of value 0 (module docstring)
             sink = tl.load(SINK + h, mask=row_ok, other=float("-inf"))
-            m_i = sink * LOG2E
+            m_i = sink * 1.4426950408889634      # log2(e): the kernel's scores are in base 2
             l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
     start = split * chunk
@@ -93,8 +94,19 @@ def _sparse_kernel(
     tl.store(LSE + split.to(tl.int64) * stride_ls + t * stride_ln + h, lse, mask=row_ok)
 
 
-def schedule(N: int, H: int, topk: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_splits) of a launch over N tokens, from shapes only.
+@dataclass(frozen=True)
+class SparseConfig:
+    """Tile shapes and schedule of one launch (compile-time constants of the kernel)."""
+
+    block_m: int = 64        # heads per program, padded to >= 16
+    block_n: int = 64        # indices (keys) per inner step
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int = 1      # programs per token along its topk list
+
+
+def schedule(N: int, H: int, topk: int, dtype: torch.dtype, device: torch.device) -> SparseConfig:
+    """The launch's schedule over N tokens, from shapes only.
 
     Heads padded to 16..64 per program (a [64, 512] float32 accumulator already fills half the
     register file of 8 warps); 64-key steps (32 at 16 heads, where a program is memory-bound
@@ -102,7 +114,7 @@ def schedule(N: int, H: int, topk: int, dtype: torch.dtype, device: torch.device
     fill the GPU, no split shorter than one step: decode batches have few tokens (B 32, 128
     heads: 64 programs without a split), prefill has thousands (no split)."""
     if device.type != "cuda":   # the interpreter: small tiles, a couple of splits to exercise the combine
-        return 16, 16, 4, max(1, min(3, math.ceil(topk / 16)))
+        return SparseConfig(16, 16, 4, 1, max(1, min(3, math.ceil(topk / 16))))
     block_m = min(64, max(16, triton.next_power_of_2(H)))
     if dtype == torch.float32:   # fp32 operands: FMA path, small tiles to fit shared memory
         block_m, block_n = min(block_m, 32), 16
@@ -110,14 +122,15 @@ def schedule(N: int, H: int, topk: int, dtype: torch.dtype, device: torch.device
         block_n = 32 if block_m == 16 else 64
     programs = N * triton.cdiv(H, block_m)
     splits = max(1, min(2 * num_sms(device.index or 0) // max(programs, 1), triton.cdiv(topk, block_n)))
-    return block_m, block_n, 8 if block_m > 16 else 4, splits
+    return SparseConfig(block_m, block_n, 8 if block_m > 16 else 4, 2, splits)
 
 
-def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_sink=None, *, num_splits=None):
+def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_sink=None, *,
+           config: SparseConfig | None = None):
     """Sparse attention of q [N, H, d] over kv_rows [num_blocks, block_size, width] (a paged cache,
     or [s_kv, 1, d] rows: block_size 1) at indices [N, topk] int32 flat slots (-1 = none).
-    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. num_splits overrides the
-    schedule's split count (tests)."""
+    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. config overrides the
+    schedule (tests, benchmarks)."""
     N, H, d = q.shape
     topk = indices.shape[-1]
     out = torch.empty(N, H, head_dim_v, dtype=q.dtype, device=q.device)
@@ -130,9 +143,8 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
     if q.stride(-1) != 1:
         q = q.contiguous()
     indices = indices.contiguous()
-    block_m, block_n, warps, splits = schedule(N, H, topk, q.dtype, q.device)
-    splits = splits if num_splits is None else num_splits
-    chunk = triton.cdiv(triton.cdiv(max(topk, 1), splits), block_n) * block_n
+    cfg = config or schedule(N, H, topk, q.dtype, q.device)
+    chunk = triton.cdiv(triton.cdiv(max(topk, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
     splits = max(1, triton.cdiv(topk, chunk))
     if splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
@@ -140,7 +152,7 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
         o_part = torch.empty(splits, N, H, head_dim_v, dtype=torch.float32, device=q.device)
         l_part = torch.empty(splits, N, H, dtype=torch.float32, device=q.device)
     dv, dr = head_dim_v, d - head_dim_v
-    head_blocks = triton.cdiv(H, block_m)
+    head_blocks = triton.cdiv(H, cfg.block_m)
     scale = kv_scale if fmt == 1 else 1.0
     _sparse_kernel[(N * head_blocks * splits,)](
         q, kv_rows, indices, attn_sink if attn_sink is not None else lse, o_part, l_part,
@@ -150,8 +162,8 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
         softmax_scale * LOG2E * scale, scale,
         HAS_SINK=attn_sink is not None, IEEE=q.dtype == torch.float32, KV_FMT=fmt,
         KEEP_NAN=fmt != 0 and q.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=triton.next_power_of_2(dv),
-        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), num_warps=warps, num_stages=2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         combine(o_part.unsqueeze(2), l_part.unsqueeze(2), out.unsqueeze(1), lse.unsqueeze(1), pdl=False)
