@@ -161,7 +161,7 @@ def _topk_kernel(
     known = tl.zeros([], dtype=tl.uint32)
     above = tl.zeros([], dtype=tl.int32)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], dtype=tl.int32)
         for s0 in range(0, K, BLOCK):
             s = s0 + tl.arange(0, BLOCK)
