@@ -58,12 +58,13 @@ run_tool() {
     racecheck | synccheck) ;;   # shared memory and barriers: the allocator does not matter
     initcheck)
       # Without caching a tensor's bytes count as written only once its own writer wrote
-      # them, not because an earlier tensor held the same memory. --track-unused-memory no:
+      # them, not because an earlier tensor held the same memory. Unused-memory tracking stays
+      # off (compute-sanitizer 2025.3 takes --track-unused-memory as a flag that turns it on):
       # the question is reads of unwritten bytes; allocations larger than what is used of them
       # (workspaces, padded buffers) are by design. --no-peers: cuDNN's, cuBLAS's and
       # FlashInfer's kernels manage their own workspaces, which is theirs to answer for;
       # every kernel of this library still runs under initcheck.
-      envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); flags=(--track-unused-memory no); args+=(--no-peers) ;;
+      envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); args+=(--no-peers) ;;
   esac
   local start=$SECONDS cmd=("$PYTHON" tools/sanitize_gpu.py ${args[@]+"${args[@]}"})
   if [ "$tool" != plain ]; then

@@ -22,10 +22,13 @@ import torch
 from .decode_providers import rel_err
 from .sparse_cases import slots
 
-__all__ = ["OUT_TOL", "LSE_TOL", "LOGITS_TOL", "CHECK_QUERIES", "check_stride", "compare", "compare_logits",
+__all__ = ["OUT_TOL", "FP8_OUT_TOL", "LSE_TOL", "LOGITS_TOL", "CHECK_QUERIES", "check_stride", "compare", "compare_logits",
            "compare_topk", "slot_keys"]
 
 OUT_TOL, LSE_TOL, LOGITS_TOL = 5e-3, 1e-2, 1e-5
+# FP8 tile rows: FlashMLA rounds each tile's float32 scale to bf16 (2^-9 relative) before it
+# multiplies, which alone puts its output 5.0-5.1e-3 from the reference on the H200
+FP8_OUT_TOL = 1e-2
 CHECK_QUERIES = 512
 
 
@@ -34,10 +37,10 @@ def check_stride(n: int) -> int:
     return max(1, math.ceil(n / CHECK_QUERIES))
 
 
-def compare(out, lse, ref_out, ref_lse) -> dict:
+def compare(out, lse, ref_out, ref_lse, out_tol: float = OUT_TOL) -> dict:
     """A provider's (out, lse) against the reference's: ``rel_err`` (norm-wise, NaN when out
     holds inf or NaN), ``lse_err`` (max abs over the finite reference values; NaN when the -inf
-    positions differ) and ``check``: "ok" within OUT_TOL and LSE_TOL, else "FAIL" (saying so
+    positions differ) and ``check``: "ok" within out_tol and LSE_TOL, else "FAIL" (saying so
     when the lse matches once read as base 2, the other convention of attention kernels)."""
     err = rel_err(out, ref_out)
     ref_lse = ref_lse.float()
@@ -48,7 +51,7 @@ def compare(out, lse, ref_out, ref_lse) -> dict:
             return float("nan")
         return (x[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
     lse_err = lse_error(lse.float())
-    check = "ok" if err <= OUT_TOL and lse_err <= LSE_TOL else "FAIL"
+    check = "ok" if err <= out_tol and lse_err <= LSE_TOL else "FAIL"
     if check == "FAIL" and not lse_err <= LSE_TOL and lse_error(lse.float() * math.log(2)) <= LSE_TOL:
         check = "FAIL: lse in base 2"
     return dict(rel_err=err, lse_err=lse_err, check=check)

@@ -1,9 +1,13 @@
-"""Triton device functions that read latent cache rows, shared by the kernels that attend over
-them (the portable paged decode, ``decode.portable``, and the sparse attention,
-``sparse_attention``): the query rows of the absorbed form, and a tile of cache rows in each
-row format of ``mla.quant`` (``KV_FMT``: 0 plain, 1 FP8 with a per-tensor scale, 2 FP8 tile
-rows), widened to the query's dtype; then the online-softmax step over such a tile and the epilogue that turns
-the running state into (out, lse).
+"""Triton device functions of the sparse attention kernel (``sparse_attention``): the query rows
+of the absorbed form, a tile of latent cache rows in each row format of ``mla.quant``
+(``KV_FMT``: 0 plain, 1 FP8 with a per-tensor scale, 2 FP8 tile rows) widened to the query's
+dtype, the online-softmax step over such a tile and the epilogue that turns the running state
+into (out, lse).
+
+The portable paged decode (``decode.portable``) holds the same steps inline. Calling these from
+it changed what the sanitizer saw: on the H200, under compute-sanitizer memcheck and synccheck
+(no error reported), its page-16 case at 128 heads returned NaN where the inline kernel does
+not; until that is understood the measured inline kernel stays as it is.
 
 Masked rows are never dereferenced (``other=0``): NaN in unused blocks, tail slots or rows a
 sparse index does not name cannot leak into a result.
