@@ -467,3 +467,34 @@ def test_glm_shared_layer():
         o1, _, _ = mods[1](hist[None], position_embeddings=cs, attention_mask=mask, prev_topk_indices=topk)
         assert rel_err(ours[0], o0[0, -n:]) <= FP32_TOL
         assert rel_err(ours[1], o1[0, -n:]) <= FP32_TOL
+
+
+def test_sparse_layer_on_the_kernels_and_its_chunks():
+    """The layer's sparse path on the Triton kernels (interpreter, float32) matches the reference
+    path step by step; the kernel path's chunks are bound by the logits alone (it gathers no
+    rows), the reference's also by rows x index_topk."""
+    from mla.strategy import build_plan
+    from mla.testing import random_state_dict
+
+    cfg = mla.MLAConfig(hidden_size=64, num_heads=3, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=256, index_topk=8,
+                        index_n_heads=4, index_head_dim=32)
+    sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
+    outs = {}
+    for backend in ("torch", "triton"):
+        layer = mla.MLA(cfg, dtype=torch.float32, backend=backend, max_workspace_tokens=64)
+        layer.load_hf_state_dict(sd)
+        cache = mla.PagedLatentCache(cfg, num_blocks=16, block_size=8, dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        outs[backend] = []
+        for step in ([("a", 30), ("b", 5)], [("a", 1), ("b", 1)], [("a", 3)]):
+            x = torch.randn(sum(n for _, n in step), 64, generator=g)
+            outs[backend].append(layer(x, cache.prepare(step)))
+        if backend == "torch":
+            batch = cache.prepare([("c", 40)])
+            many = build_plan(batch, cfg, 64, gathers=True).sparse
+            few = build_plan(batch, cfg, 64, gathers=False).sparse
+            assert len(many) == 40 // (64 // 8) and len(few) < len(many)
+            assert sum(c.num_rows for c in few) == sum(c.num_rows for c in many) == 40
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert rel_err(b, a) <= 1e-5

@@ -273,8 +273,9 @@ class MLA(nn.Module):
     def plan(self, batch: Batch) -> Plan:
         """The step's strategy plan (strategy.py) for this layer's workspace and ``strategy``:
         built by the first layer that asks and shared by every layer that would build the same."""
-        return batch.memo(("plan", self.cfg, self.max_workspace_tokens, self.strategy),
-                          lambda: build_plan(batch, self.cfg, self.max_workspace_tokens, self.strategy))
+        gathers = ops.resolve_backend(self.op_backend, batch.device) == "torch"   # the sparse reference
+        return batch.memo(("plan", self.cfg, self.max_workspace_tokens, self.strategy, gathers),
+                          lambda: build_plan(batch, self.cfg, self.max_workspace_tokens, self.strategy, gathers))
 
     def _check(self, hidden_states: torch.Tensor, batch: Batch) -> None:
         if not isinstance(batch, Batch):

@@ -66,8 +66,8 @@ def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int) ->
 
 def _key(layer) -> tuple:
     """Where a step's top-k of an indexer layer is kept in the batch: the layers that share it
-    have the same config, workspace and strategy, hence the same chunks."""
-    return ("sparse_indices", layer.cfg, layer.max_workspace_tokens, layer.strategy,
+    have the same config, workspace, strategy and backend, hence the same chunks."""
+    return ("sparse_indices", layer.cfg, layer.max_workspace_tokens, layer.strategy, layer.op_backend,
             layer.cfg.index_source_layer(layer.layer_idx))
 
 

@@ -116,9 +116,11 @@ class Plan:
     sparse: list[SparseChunk] = field(default_factory=list)
 
 
-def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None) -> Plan:
+def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None,
+               gathers: bool = True) -> Plan:
     """Assign every sequence a strategy (``force`` overrides the rule where it applies) and
-    build the index tensors of each group once.
+    build the index tensors of each group once. ``gathers``: the sparse attention op copies the
+    selected rows (the reference does; the kernel reads them in place), see ``sparse_chunks``.
 
     Under Helix CP (the batch's cache split over cp ranks) a cached prefix is never whole on
     one rank: every sequence with one takes the absorbed path, whose partials the ranks combine.
@@ -221,7 +223,7 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
             group.query_seqlens = [ints([local(batch.num_cached[b] + i + 1) for b in seqs]) for i in range(s_q)]
         plan.absorbed.append(group)
     if by["sparse"]:
-        plan.sparse = sparse_chunks(batch, cfg, by["sparse"], max_workspace_tokens, ints)
+        plan.sparse = sparse_chunks(batch, cfg, by["sparse"], max_workspace_tokens, ints, gathers)
     return plan
 
 
@@ -251,15 +253,18 @@ def _static_plan(batch: Batch, cfg: MLAConfig, force: str | None) -> Plan:
     return decode_plan(batch, s_q)
 
 
-def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_tokens: int, ints
-                  ) -> list[SparseChunk]:
+def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_tokens: int, ints,
+                  gathers: bool = True) -> list[SparseChunk]:
     """The sparse sequences' queries cut into chunks whose indexer logits hold at most
     max_workspace_tokens * index_head_dim float32 values (the size of a workspace of indexer
-    keys; never a T x T matrix for a long prompt) and whose selected rows number at most
-    max_workspace_tokens (rows x index_topk, what the reference gathers); at least one query a
-    chunk. A decode batch is one chunk; a long prompt is many, each a run of its queries."""
+    keys; never a T x T matrix for a long prompt) and, where the attention op gathers the
+    selected rows (``gathers``: the reference), whose selected rows number at most
+    max_workspace_tokens (rows x index_topk); at least one query a chunk. The GPU kernel reads
+    the rows in place, so there only the logits bound applies: a 4096-token prompt with top-2048
+    is 2 chunks, not 128. A decode batch is one chunk; a long prompt is many, each a run of its
+    queries."""
     budget = max_workspace_tokens * cfg.index_head_dim
-    max_rows = max(1, max_workspace_tokens // cfg.index_topk)
+    max_rows = max(1, max_workspace_tokens // cfg.index_topk) if gathers else budget
     offsets = batch.token_offsets()
     chunks, pieces = [], []   # pieces of the open chunk: (batch index, first query, end query)
 
