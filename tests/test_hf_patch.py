@@ -20,11 +20,13 @@ import torch
 import hf_families as F
 import mla
 
-CASES = list(F.EXACT) + ["deepseek_v32"]      # DeepSeek-V3.2: prompts of 5-9 tokens + 8 new, past its top-k
+# DeepSeek-V3.2 and A.X-K2: prompts of 5-9 tokens + 8 new, past their top-k
+CASES = list(F.EXACT) + ["deepseek_v32", "axk2"]
 CAUSAL_LM = dict(deepseek_v2="DeepseekV2ForCausalLM", deepseek_v3="DeepseekV3ForCausalLM", axk1="AXK1ForCausalLM",
                  youtu="YoutuForCausalLM", glm4_moe_lite="Glm4MoeLiteForCausalLM", mistral4="Mistral4ForCausalLM",
                  longcat_flash="LongcatFlashForCausalLM", minicpm3="MiniCPM3ForCausalLM",
-                 kimi_linear="KimiLinearForCausalLM", deepseek_v32="DeepseekV32ForCausalLM")
+                 kimi_linear="KimiLinearForCausalLM", deepseek_v32="DeepseekV32ForCausalLM",
+                 axk2="AXK2ForCausalLM")
 # The model around the attention kept tiny: small MLPs, an MoE layer in DeepSeek-V3 (layer 1),
 # MiniCPM3's embedding and logit scales at 1 so that random weights give varied tokens.
 MODEL_OVERRIDES = dict(intermediate_size=32, moe_intermediate_size=16, first_k_dense_replace=1, scale_emb=1,
@@ -202,7 +204,7 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4", "axk2"])
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4"])
 def test_refused_family(name):
     """A family from_hf refuses, or whose sparse indexer patch does not drive, is refused by
     patch, naming the model_type, before any change."""

@@ -14,6 +14,7 @@ import mla
 from mla import quant
 from mla.ops import reference
 from mla.testing import random_state_dict
+from test_layer_gpu import STEPS, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 R, DR = 512, 64
@@ -160,35 +161,17 @@ def test_indexer_kernels(B, nq, n_heads):
 _SPARSE_CFG = dict(hidden_size=1024, num_heads=16, q_lora_rank=768, kv_lora_rank=R, qk_nope_head_dim=128,
                    qk_rope_head_dim=DR, v_head_dim=128, max_position_embeddings=4096, index_topk=256,
                    index_n_heads=64, index_head_dim=128)
-STEPS = [
-    [("a", 700), ("b", 33)],                 # a prompt past index_topk beside a short one
-    [("a", 1), ("b", 1)],                    # decode
-    [("a", 4), ("b", 3)],                    # speculative verify
-    [("c", 300), ("a", 1)],
-    [("b", 400)],                            # a long prompt over a cached prefix
-]
-
-
-def _run(cfg, sd, dtype, backend, cache_dtype, scaling="tensor"):
-    layer = mla.MLA(cfg, dtype=dtype, device="cuda", backend=backend, max_workspace_tokens=256)
-    layer.load_hf_state_dict(sd)
-    cache = mla.PagedLatentCache(cfg, num_blocks=256, block_size=64, dtype=cache_dtype or dtype, device="cuda",
-                                 fp8_scaling=scaling)
-    g = torch.Generator().manual_seed(3)
-    outs = []
-    for step in STEPS:
-        x = torch.randn(sum(n for _, n in step), cfg.hidden_size, generator=g) * 0.5
-        outs.append(layer(x.to("cuda", dtype), cache.prepare(step)).float())
-    return outs
+# test_layer_gpu's steps (a 700-token prompt past index_topk beside a short one, decode, drafts,
+# a prompt beside a decode, a long prompt over a cached prefix) and its runner, workspace 256
 
 
 @pytest.mark.parametrize("cache_dtype,scaling", [(None, "tensor"), (torch.float8_e4m3fn, "tile")])
 def test_sparse_layer_triton_matches_reference(cache_dtype, scaling):
     cfg = mla.MLAConfig(**_SPARSE_CFG)
     sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
-    ref = _run(cfg, sd, torch.float32, "torch", cache_dtype, scaling)
-    low = _run(cfg, sd, torch.bfloat16, "torch", cache_dtype, scaling)
-    fast = _run(cfg, sd, torch.bfloat16, "auto", cache_dtype, scaling)
+    ref = _run(cfg, sd, torch.float32, "torch", STEPS, 256, cache_dtype, scaling)
+    low = _run(cfg, sd, torch.bfloat16, "torch", STEPS, 256, cache_dtype, scaling)
+    fast = _run(cfg, sd, torch.bfloat16, "auto", STEPS, 256, cache_dtype, scaling)
     for r, lo, f in zip(ref, low, fast):
         assert torch.isfinite(f).all()
         assert _rel(f, r) <= 2 * _rel(lo, r) + 1e-3

@@ -115,11 +115,13 @@ class PatchHandle:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         model_type = getattr(text_config, "model_type", "unknown")
         cfg = MLAConfig.from_hf(text_config)        # refuses what mla does not implement, by name
-        if cfg.has_indexer and model_type != "deepseek_v32":
-            # GLM-5's decoder layers pass each attention's top-k to the next one (a third output
-            # the stand-ins do not return); DeepSeek-V3.2's layers each select their own
-            raise NotImplementedError(f"model_type {model_type!r}: mla.hf.patch drives DeepSeek-V3.2's sparse "
-                                      "indexer, not this family's shared top-k; use mla.MLA directly")
+        if cfg.has_indexer and model_type not in ("deepseek_v32", "axk2"):
+            # GLM-5's and Hy4's decoder layers pass each attention's top-k to the next one (a third
+            # output the stand-ins do not return); DeepSeek-V3.2's and A.X-K2's layers each select
+            # their own
+            raise NotImplementedError(f"model_type {model_type!r}: mla.hf.patch drives the sparse indexer of "
+                                      "DeepSeek-V3.2 and A.X-K2, not this family's shared top-k; use mla.MLA "
+                                      "directly")
         # The cache holds only the MLA modules, numbered 0 .. M-1 in model order (LongCat has two
         # per decoder layer, Kimi Linear only its full-attention layers).
         self.cfg = dataclasses.replace(cfg, mla_layers=None)
