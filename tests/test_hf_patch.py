@@ -20,13 +20,13 @@ import torch
 import hf_families as F
 import mla
 
-# DeepSeek-V3.2 and A.X-K2: prompts of 5-9 tokens + 8 new, past their top-k
-CASES = list(F.EXACT) + ["deepseek_v32", "axk2"]
+# The sparse families: prompts of 5-9 tokens + 8 new, past their top-k (8)
+CASES = list(F.EXACT) + ["deepseek_v32", "axk2", "glm_moe_dsa", "hy_v4"]
 CAUSAL_LM = dict(deepseek_v2="DeepseekV2ForCausalLM", deepseek_v3="DeepseekV3ForCausalLM", axk1="AXK1ForCausalLM",
                  youtu="YoutuForCausalLM", glm4_moe_lite="Glm4MoeLiteForCausalLM", mistral4="Mistral4ForCausalLM",
                  longcat_flash="LongcatFlashForCausalLM", minicpm3="MiniCPM3ForCausalLM",
                  kimi_linear="KimiLinearForCausalLM", deepseek_v32="DeepseekV32ForCausalLM",
-                 axk2="AXK2ForCausalLM")
+                 axk2="AXK2ForCausalLM", glm_moe_dsa="GlmMoeDsaForCausalLM", hy_v4="HYV4ForCausalLM")
 # The model around the attention kept tiny: small MLPs, an MoE layer in DeepSeek-V3 (layer 1),
 # MiniCPM3's embedding and logit scales at 1 so that random weights give varied tokens.
 MODEL_OVERRIDES = dict(intermediate_size=32, moe_intermediate_size=16, first_k_dense_replace=1, scale_emb=1,
@@ -44,10 +44,11 @@ def family_case(case: str):
     return F.EXACT[case] if case in F.EXACT else F.SPARSE[case]
 
 
-def make_model(case: str, seed: int = 0):
-    """The family's tiny ForCausalLM in float32: matrices std 2 / sqrt(fan_in), norms in [0.5, 1.5)."""
+def make_model(case: str, seed: int = 0, **more):
+    """The family's tiny ForCausalLM in float32: matrices std 2 / sqrt(fan_in), norms in [0.5, 1.5);
+    ``more``: config fields beside the case's."""
     c = family_case(case)
-    cfg = c.make_config()
+    cfg = c.make_config(**more)
     for k, v in MODEL_OVERRIDES.items():
         if hasattr(cfg, k) and k not in c.overrides:
             setattr(cfg, k, v)
@@ -204,7 +205,18 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4"])
+def test_glm_shared_indexer_layers_generate_eager_tokens():
+    """GLM-5 with shared indexer layers (1 and 3 reuse the top-k of 0 and 2): the patched model's
+    layers share their top-k through the step's batch, and generate gives eager's tokens."""
+    model = make_model("glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    for ids, mask in (prompts(1, seed=1), prompts(2, seed=2)):
+        ref = greedy(model, ids, mask)
+        with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+            assert handle.cfg.index_shared_layers == (1, 3)
+            assert greedy(model, ids, mask).tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("name", ["glm5_next", "deepseek_v4"])
 def test_refused_family(name):
     """A family from_hf refuses, or whose sparse indexer patch does not drive, is refused by
     patch, naming the model_type, before any change."""

@@ -102,6 +102,8 @@ class _MLAAttention(nn.Module):
                 out = y
             else:
                 out[step.index] = y
+        if self._handle[0].returns_topk:
+            return out.view(B, S, D), None, None
         return out.view(B, S, D), None
 
 
@@ -115,13 +117,11 @@ class PatchHandle:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         model_type = getattr(text_config, "model_type", "unknown")
         cfg = MLAConfig.from_hf(text_config)        # refuses what mla does not implement, by name
-        if cfg.has_indexer and model_type not in ("deepseek_v32", "axk2"):
-            # GLM-5's and Hy4's decoder layers pass each attention's top-k to the next one (a third
-            # output the stand-ins do not return); DeepSeek-V3.2's and A.X-K2's layers each select
-            # their own
-            raise NotImplementedError(f"model_type {model_type!r}: mla.hf.patch drives the sparse indexer of "
-                                      "DeepSeek-V3.2 and A.X-K2, not this family's shared top-k; use mla.MLA "
-                                      "directly")
+        # GLM-5's and Hy4's decoder layers take a third output from attention, its top-k, and hand
+        # it to the next layer (GLM-5's shared layers reuse it). The stand-ins return None there:
+        # mla's layers share their top-k through the step's Batch (``Batch.remember``), one Batch
+        # serving every layer of a forward, so the next stand-in needs nothing from transformers.
+        self.returns_topk = model_type in ("glm_moe_dsa", "hy_v4")
         # The cache holds only the MLA modules, numbered 0 .. M-1 in model order (LongCat has two
         # per decoder layer, Kimi Linear only its full-attention layers).
         self.cfg = dataclasses.replace(cfg, mla_layers=None)
