@@ -498,3 +498,86 @@ def test_sparse_layer_on_the_kernels_and_its_chunks():
             assert sum(c.num_rows for c in few) == sum(c.num_rows for c in many) == 40
     for a, b in zip(outs["torch"], outs["triton"]):
         assert rel_err(b, a) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", quant.INDEX_FORMATS)
+def test_fp8_index_keys_match_deepseeks_form(fmt):
+    """DeepSeek's FP8 indexer keys: 132-byte rows (128 e4m3 values of H k, one float32 scale, a
+    power of two with ue8m0), and logits over them, on both backends, equal to DeepSeek's form
+    computed here from the raw bytes: sum_h relu(q8_h . k8_s) * w_h * q_scale_h * scale * k_scale_s."""
+    g = torch.Generator().manual_seed(3)
+    d, bs, n_heads = 128, 4, 3
+    lens, nq = [9, 14], [2, 3]
+    cache, table, keys = _paged(g, lens, bs, d, 10)
+    keys_all = cache.view(-1, d).nan_to_num()
+    keys_all[5, 7] = 40.0                                            # an outlier the rotation spreads
+    h = quant.hadamard(d)
+    assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6)
+    rows = quant.quantize_index(keys_all @ h, fmt)
+    assert rows.shape == (keys_all.shape[0], 132) and rows.dtype == torch.uint8
+    k_scale = rows[:, d:].contiguous().view(torch.float32)[:, 0]
+    if fmt == "fp8_ue8m0":
+        assert torch.equal(torch.exp2(torch.log2(k_scale).round()), k_scale)
+    back = quant.dequantize_index(rows, d)
+    assert ((back - keys_all @ h).abs() <= (keys_all @ h).abs() / 16 + k_scale[:, None] * 2 ** -9).all()
+    fp8_cache = rows.view(cache.shape[0], bs, -1)
+
+    Tq = sum(nq)
+    q = torch.randn(Tq, n_heads, d, generator=g)
+    w = torch.randn(Tq, n_heads, generator=g)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q_rot = q @ h
+    x = q_rot.view(Tq, n_heads, 1, d)
+    q_scale = x.abs().amax(-1).clamp_min(1e-12) / 448
+    if fmt == "fp8_ue8m0":
+        q_scale = torch.exp2(torch.ceil(torch.log2(q_scale)))
+    q8 = (x / q_scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double().view(Tq, n_heads, d)
+    k8 = rows[:, :d].contiguous().view(torch.float8_e4m3fn).double()
+    for backend in ("torch", "triton"):
+        got = mla.ops.indexer_logits(quant.fake_quant(q_rot, fmt), w, fp8_cache, table, seqlens, cu, 16, d ** -0.5,
+                                     backend=backend)
+        t = 0
+        for b, (n, m) in enumerate(zip(lens, nq)):
+            slots = [_slot(table, b, s, bs) for s in range(n)]
+            for i in range(m):
+                dots = torch.relu(q8[t] @ k8[slots].T)                              # [n_heads, n]
+                want = ((w[t].double() * q_scale[t, :, 0].double() * d ** -0.5)[:, None] * dots).sum(0)
+                want = want * k_scale[slots].double()
+                seen = n - m + i + 1
+                assert torch.allclose(got[t, :seen].double(), want[:seen], rtol=1e-5, atol=1e-6), (backend, t)
+                assert torch.isneginf(got[t, seen:]).all()
+                t += 1
+
+
+def test_fp8_index_cache_in_the_layer():
+    """A sparse layer over a cache with FP8 index keys: the cache stores 132-byte rows, the layer
+    rotates and quantizes its queries to match, and its attention stays close to the bf16-key
+    layer's (the selections differ only near the top-k boundary); refusals name index_format."""
+    cfg = mla.MLAConfig(hidden_size=64, num_heads=3, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=256, index_topk=8,
+                        index_n_heads=4, index_head_dim=128)
+    from mla.testing import random_state_dict
+    sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
+    outs = {}
+    for fmt in (None, "fp8_ue8m0"):
+        layer = mla.MLA(cfg, dtype=torch.float32, backend="torch")
+        layer.load_hf_state_dict(sd)
+        cache = mla.PagedLatentCache(cfg, num_blocks=16, block_size=8, dtype=torch.float32, index_format=fmt)
+        assert cache.index_keys(0).shape[-1] == (132 if fmt else 128)
+        g = torch.Generator().manual_seed(1)
+        outs[fmt] = []
+        for step in ([("a", 30)], [("a", 1)], [("a", 3)]):
+            x = torch.randn(sum(n for _, n in step), 64, generator=g)
+            outs[fmt].append(layer(x, cache.prepare(step)))
+        cache.fork("a", "b")
+        cache.truncate("b", 20)
+        outs[fmt].append(layer(torch.randn(1, 64, generator=g), cache.prepare([("b", 1)])))
+    for a, b in zip(outs[None], outs["fp8_ue8m0"]):
+        assert torch.isfinite(b).all() and rel_err(b, a) < 0.3
+    with pytest.raises(ValueError, match="index_format"):
+        mla.PagedLatentCache(cfg, num_blocks=4, block_size=8, index_format="fp4")
+    with pytest.raises(ValueError, match="index_format.*power of two"):
+        mla.PagedLatentCache(cfg.replace(index_head_dim=96), num_blocks=4, block_size=8, index_format="fp8")
+    with pytest.raises(ValueError, match="index_format.*no sparse indexer"):
+        mla.PagedLatentCache(mla.MLAConfig.preset("tiny"), num_blocks=4, block_size=8, index_format="fp8")

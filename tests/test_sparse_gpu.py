@@ -124,10 +124,12 @@ def test_sparse_prefill_kernel(H):
     assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
 
 
+@pytest.mark.parametrize("index_format", [None, "fp8_ue8m0"])
 @pytest.mark.parametrize("B,nq,n_heads", [(32, 1, 64), (3, 2, 64), (2, 300, 32), (4, 3, 7)])
-def test_indexer_kernels(B, nq, n_heads):
-    """The logits kernel against the reference on bf16 inputs (both sum float32 products), and
-    the top-k: the selected set equals the reference's where scores are distinct."""
+def test_indexer_kernels(B, nq, n_heads, index_format):
+    """The logits kernel against the reference on bf16 inputs (both sum float32 products), bf16
+    keys or DeepSeek's FP8 key rows, and the top-k: the selected set equals the reference's where
+    scores are distinct."""
     g = torch.Generator(device="cuda").manual_seed(B * nq)
     d, page, topk = 128, 64, 256
     lens = torch.randint(nq, 5000, (B,), device="cuda", generator=g).int()
@@ -137,6 +139,10 @@ def test_indexer_kernels(B, nq, n_heads):
     table = torch.randperm(nb, device="cuda", generator=g)[:B * max_blocks].view(B, max_blocks).int()
     cache = torch.randn(nb, page, d, device="cuda", generator=g).to(torch.bfloat16)
     q = torch.randn(B * nq, n_heads, d, device="cuda", generator=g).to(torch.bfloat16)
+    if index_format is not None:   # as the layer stores and queries them (mla.sparse)
+        h = quant.hadamard(d, "cuda")
+        cache = quant.quantize_index(cache.view(-1, d).float() @ h, index_format).view(nb, page, -1)
+        q = quant.fake_quant(q.float() @ h, index_format).to(torch.bfloat16)
     w = torch.randn(B * nq, n_heads, device="cuda", generator=g)
     cu = torch.arange(0, B * nq + 1, nq, device="cuda", dtype=torch.int32)
     K = 5000

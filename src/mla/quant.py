@@ -17,6 +17,18 @@ it, so attention over the row gives NaN rather than invented finite values. In "
 saturate to +-448 (e4m3fn has no inf) and NaN is stored as NaN (0x7F); in "fp8_tile" rows a tile
 holding a NaN or an inf has a NaN or inf scale, so the whole tile reads back as NaN.
 
+Indexer keys (DeepSeek Sparse Attention), d = index_head_dim:
+
+- "bf16" (or the cache's float dtype): [d] as they are (transformers keeps them so).
+- "fp8" / "fp8_ue8m0": DeepSeek's production indexer cache, uint8 storage, byte by byte:
+      [0, d)                 H k as float8_e4m3fn, group g of 128 values (all d if fewer)
+                             scaled by scales[g]; H the orthonormal d x d Hadamard matrix
+      [d, d + 4 * groups)    the groups' float32 scales, amax / 448 ("fp8_ue8m0": rounded up
+                             to a power of two, as DeepSeek's reference does)
+  132 bytes for d = 128. The queries get the same rotation and quantization (``fake_quant``):
+  H is orthonormal, so q . k is unchanged before rounding, and the rotation spreads outliers
+  over the group before the 1-byte rounding.
+
 Checkpoint weights: float8_e4m3fn [out, in] with ``weight_scale_inv`` [ceil(out/128),
 ceil(in/128)]: float32 (DeepSeek-V3) or power-of-two "ue8m0" (float8_e8m0fnu, or uint8
 exponents with bias 127); each 128 x 128 block dequantizes as w * scale.
@@ -26,7 +38,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FP8", "FP8_MAX", "TILE", "CACHE_FORMATS", "cache_format", "row_width", "storage_dtype", "quantize_rows",
-           "dequantize_rows", "scale_to_float"]
+           "dequantize_rows", "scale_to_float", "INDEX_FORMATS", "index_width", "hadamard", "quantize_index",
+           "dequantize_index", "fake_quant"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -93,3 +106,59 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.uint8:
         return torch.exp2(scale.float() - 127.0)
     return scale.float()
+
+
+# ---------------------------------------------------------------- indexer keys
+INDEX_FORMATS = ("fp8", "fp8_ue8m0")
+
+
+def _groups(d: int) -> int:
+    return max(1, d // TILE)
+
+
+def index_width(d: int) -> int:
+    """Bytes of one FP8 indexer key of d values (132 for d = 128)."""
+    return d + 4 * _groups(d)
+
+
+def hadamard(d: int, device=None) -> torch.Tensor:
+    """The orthonormal d x d Hadamard matrix (Sylvester's construction, d a power of two), float32."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / d ** 0.5).to(device)
+
+
+def _scales(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+    """x [..., G, g] float32 -> the groups' scales [..., G]: amax / 448, floored at 1e-12 / 448,
+    rounded up to a power of two with ``ue8m0`` (NaN and inf stay: the group reads back non-finite)."""
+    scale = x.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return torch.exp2(torch.ceil(torch.log2(scale))) if ue8m0 else scale
+
+
+def quantize_index(k: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rotated indexer keys [N, d] (``hadamard`` applied) -> stored FP8 rows uint8 [N, index_width(d)]."""
+    N, d = k.shape
+    G = _groups(d)
+    x = k.float().view(N, G, d // G)
+    scales = _scales(x, fmt == "fp8_ue8m0")
+    q = (x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, d)
+    return torch.cat((q.view(torch.uint8), scales.contiguous().view(torch.uint8).view(N, -1)), -1)
+
+
+def dequantize_index(stored: torch.Tensor, d: int) -> torch.Tensor:
+    """Stored FP8 indexer rows uint8 [N, index_width(d)] -> keys [N, d] float32 (still rotated)."""
+    N, G = stored.shape[0], _groups(d)
+    x = stored[:, :d].contiguous().view(FP8).float().view(N, G, d // G)
+    scales = stored[:, d:].contiguous().view(torch.float32)
+    return (x * scales[..., None]).view(N, d)
+
+
+def fake_quant(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rotated indexer queries [..., d] quantized as the keys are (per 128 values, e4m3) and read
+    back, float32: DeepSeek's reference scores its FP8 queries against its FP8 keys."""
+    d = q.shape[-1]
+    G = _groups(d)
+    x = q.float().unflatten(-1, (G, d // G))
+    scales = _scales(x, fmt == "fp8_ue8m0")
+    return ((x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scales[..., None]).flatten(-2)

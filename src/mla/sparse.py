@@ -7,7 +7,9 @@ Notation as in layer.py, plus n = index_n_heads, d = index_head_dim, k = index_t
     k_idx  = rope(LayerNorm(wk(x)))         [T, d]      DeepSeek-V3.2, interleaved in GLM-5;
                                                         neox on the last dr values in Hy4)
     w      = weights_proj(x) * n^-0.5       [T, n]      float32
-    cache.index_keys[slot] = k_idx                       beside the latent row of the token
+    cache.index_keys[slot] = k_idx                       beside the latent row of the token (or,
+                                                         with FP8 index keys, quant(H k_idx), and the
+                                                         logits take quant(H q_idx): DeepSeek's form)
     per chunk of queries (strategy.sparse_chunks):
         logits  = sum_h w_h relu(q_idx_h . k_idx * d^-0.5)  over the keys each query sees
         indices = top-k of logits, as flat cache slots (-1 past the visible keys)
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from . import ops
 from .absorbed import absorb_query, apply_uv
 from .batch import Batch
+from . import quant
 from .rope import apply_rope
 from .strategy import SparseChunk
 
@@ -48,16 +51,33 @@ def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor
     return q, k, w
 
 
-def append_index_keys(k_idx: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k_idx [T, d] at the flat slots [T] int64 of index_cache [num_blocks, block_size, d]."""
+def append_index_keys(k_idx: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      index_format: str | None = None) -> None:
+    """Write k_idx [T, d] at the flat slots [T] int64 of index_cache [num_blocks, block_size, width]:
+    as they are, or (an FP8 ``index_format``) Hadamard-rotated and quantized (``mla.quant``)."""
     flat = index_cache.view(-1, index_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping, k_idx.to(flat.dtype))
+    if index_format is None:
+        rows = k_idx.to(flat.dtype)
+    else:
+        rows = quant.quantize_index(k_idx.float() @ quant.hadamard(k_idx.shape[-1], k_idx.device), index_format)
+    flat.index_copy_(0, slot_mapping, rows)
 
 
-def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int) -> torch.Tensor:
+def index_query(q_idx: torch.Tensor, index_format: str | None) -> torch.Tensor:
+    """The queries the logits take: q_idx [T, n, d] as it is, or for FP8 keys rotated and
+    quantized as the keys are (DeepSeek scores FP8 queries against FP8 keys), in q_idx's dtype
+    (exact in bf16 with power-of-two scales: e4m3 has 3 mantissa bits, bf16 7)."""
+    if index_format is None:
+        return q_idx
+    h = quant.hadamard(q_idx.shape[-1], q_idx.device)
+    return quant.fake_quant(q_idx.float() @ h, index_format).to(q_idx.dtype)
+
+
+def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int, index_format) -> torch.Tensor:
     """The chunk's top-k cache slots [rows, index_topk] int32 (-1 padded)."""
     cfg = layer.cfg
-    logits = ops.indexer_logits(q_idx[chunk.rows], w[chunk.rows], index_cache, chunk.block_table,
+    q = index_query(q_idx[chunk.rows], index_format)
+    logits = ops.indexer_logits(q, w[chunk.rows], index_cache, chunk.block_table,
                                 chunk.cache_seqlens, chunk.cu_seqlens_q, chunk.max_seqlen_k,
                                 cfg.index_softmax_scale, causal=True, backend=layer.op_backend)
     return ops.topk_indices(logits, cfg.index_topk, chunk.block_table, chunk.cu_seqlens_q, block_size,
@@ -94,7 +114,8 @@ def attend(layer, q, index_qkw, indices, chunks: list[SparseChunk], batch: Batch
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if index_qkw is not None:
         index_cache = batch.cache.index_keys(layer.layer_idx)
-        indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size) for chunk in chunks]
+        indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size, batch.cache.index_format)
+                   for chunk in chunks]
         batch.remember(_key(layer), indices)
     for chunk, idx in zip(chunks, indices):
         qc = q[chunk.rows]

@@ -39,8 +39,9 @@ def _logits_kernel(
     Q, W, KC, BT, SEQLENS, CU, OUT,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kr, stride_bt, stride_ot,
     B, NH, D, block_size, max_blocks, num_blocks, K, span, scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KEY_FP8: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     g = tl.program_id(0)
     # this group's sequence b and first query t0: groups are numbered sequence by sequence
@@ -90,8 +91,15 @@ def _logits_kernel(
             # columns and block ids clamped: lengths and ids are unchecked on CUDA
             blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
             blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-            k = tl.load(KC + blk[:, None] * stride_kb + (s % block_size)[:, None] * stride_kr + dd[None, :],
-                        mask=s_ok[:, None] & (dd < D)[None, :], other=0.0)
+            k_row = KC + blk * stride_kb + (s % block_size) * stride_kr
+            k_ok = s_ok[:, None] & (dd < D)[None, :]
+            if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
+                k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
+                k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
+                                  mask=k_ok, other=0.0)
+                k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
+            else:
+                k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -119,7 +127,8 @@ def logits_schedule(n_heads: int, Tq: int, B: int, K: int, device: torch.device)
 def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
                    causal=True):
     """``mla.ops.reference.indexer_logits`` on the kernel: q [Tq, n, d], weights [Tq, n] float32,
-    index_cache [num_blocks, block_size, d] -> logits [Tq, max_seqlen_k] float32."""
+    index_cache [num_blocks, block_size, d] (or FP8 key rows, uint8, read as they are: each key
+    widened and scaled in registers, in q's dtype) -> logits [Tq, max_seqlen_k] float32."""
     Tq, nh, d = q.shape
     B = block_table.shape[0]
     out = torch.empty(Tq, max_seqlen_k, dtype=torch.float32, device=q.device)
@@ -137,7 +146,8 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
         block_table.stride(0), out.stride(0),
         B, nh, d, index_cache.shape[1], max(block_table.shape[1], 1), max(index_cache.shape[0], 1), max_seqlen_k,
         span, softmax_scale,
-        CAUSAL=causal, IEEE=q.dtype == torch.float32, BLOCK_T=block_t, BLOCK_H=block_h,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, KEY_FP8=index_cache.dtype == torch.uint8,
+        GROUP=d // max(1, d // 128), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, BLOCK_B=triton.next_power_of_2(B + 1),
         num_warps=4 if block_t * block_h <= 64 else 8,
     )

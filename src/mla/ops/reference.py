@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import cache_format, dequantize_rows, quantize_rows
+from ..quant import cache_format, dequantize_index, dequantize_rows, quantize_rows
 from ..rope import apply_rope
 
 __all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
@@ -237,7 +237,7 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
 
     q [Tq, n_heads, d] (RoPE applied), packed by sequence (cu_seqlens_q [B + 1] int32);
     weights [Tq, n_heads] float32 (the head weights, scaled); index_cache [num_blocks,
-    block_size, d]; block_table [B, max_blocks] int32; cache_seqlens [B] int32 keys of each
+    block_size, d], or uint8 FP8 key rows (``mla.quant.dequantize_index``); block_table [B, max_blocks] int32; cache_seqlens [B] int32 keys of each
     sequence, including its queries. Returns logits [Tq, max_seqlen_k] float32:
     logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s] * softmax_scale) where query i of
     a sequence with nq queries sees key s (causal: s < cache_seqlens - nq + i + 1), -inf elsewhere.
@@ -249,7 +249,8 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
         q0, q1, n = cq[b], cq[b + 1], int(lengths[b])
         if q1 == q0 or n <= 0:
             continue
-        k = gather_rows(index_cache, block_table[b], n).float()                       # [n, d]
+        k = gather_rows(index_cache, block_table[b], n)
+        k = dequantize_index(k, q.shape[-1]) if k.dtype == torch.uint8 else k.float()   # [n, d]
         qb, wb = q[q0:q1].float(), weights[q0:q1].float()
         logits = torch.zeros(q1 - q0, n, dtype=torch.float32, device=q.device)
         for h in range(n_heads):   # one head at a time: never an [nq, n_heads, n] intermediate

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from . import _library, resolve_backend
 from ._checks import (FLOAT, as_float, check, check_flag, check_int, check_int_vector, check_latent_query_cache,
                       dense, describe)
@@ -37,7 +38,9 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
     q:             [Tq, n_heads, d] float16/bfloat16/float32, the indexer's queries (RoPE applied),
                    rows of sequence b at cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     weights:       [Tq, n_heads] float32, the head weights (weights_proj(x) * index_weights_scale)
-    index_cache:   [num_blocks, block_size, d] float, the indexer's keys (``PagedLatentCache.index_keys``)
+    index_cache:   [num_blocks, block_size, d] float, the indexer's keys (``PagedLatentCache.index_keys``),
+                   or DeepSeek's FP8 key rows, uint8 [num_blocks, block_size, quant.index_width(d)]
+                   (e4m3 values, then a float32 scale per 128; q then rotated and quantized alike)
     block_table:   [B, max_blocks] int32; cache_seqlens [B] int32, keys of each sequence including
                    its queries; cu_seqlens_q [B + 1] int32
     max_seqlen_k:  int >= every cache_seqlens, the width of the result
@@ -51,9 +54,11 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
     Tq, n_heads, d = q.shape
     check(isinstance(weights, torch.Tensor) and tuple(weights.shape) == (Tq, n_heads)
           and weights.dtype == torch.float32, f"weights: expected float32 [{Tq}, {n_heads}], got {describe(weights)}")
-    check(isinstance(index_cache, torch.Tensor) and index_cache.dim() == 3 and index_cache.shape[-1] == d
-          and index_cache.dtype in FLOAT,
-          f"index_cache: expected float [num_blocks, block_size, {d}], got {describe(index_cache)}")
+    check(isinstance(index_cache, torch.Tensor) and index_cache.dim() == 3 and (
+          (index_cache.dtype in FLOAT and index_cache.shape[-1] == d)
+          or (index_cache.dtype == torch.uint8 and index_cache.shape[-1] == quant.index_width(d))),
+          f"index_cache: expected float [num_blocks, block_size, {d}] or FP8 key rows uint8 [num_blocks, "
+          f"block_size, {quant.index_width(d)}], got {describe(index_cache)}")
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
           f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
     B = block_table.shape[0]
