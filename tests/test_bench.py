@@ -258,6 +258,8 @@ def test_sparse_bytes_and_flops_by_hand():
     assert sparse.indexer_bytes("both", 32, 32768, 64, 128, 2048) == 269_230_080
     assert sparse.indexer_flops("logits", 32, 32768, 64, 128) == 2 * 32 * 64 * 32768 * 128
     assert sparse.indexer_flops("topk", 32, 32768, 64, 128) == 0
+    # DeepSeek's FP8 key rows: 132 bytes a key instead of 256
+    assert sparse.indexer_bytes("logits", 32, 32768, 64, 128, 2048, "fp8_ue8m0") == 273_162_240 - 32 * 32768 * 124
 
 
 def test_sparse_metrics_match_flashmlas_measured_figure():
@@ -270,7 +272,7 @@ def test_sparse_metrics_match_flashmlas_measured_figure():
 
 def test_sparse_options_default_to_issue_32s_grid():
     g = sparse.grid(parse("sparse"))
-    assert g.sections == ("decode", "prefill", "indexer") and g.peers
+    assert g.sections == ("decode", "prefill", "indexer") and g.peers and g.index_keys == ("bf16", "fp8_ue8m0")
     assert (g.heads, g.batch, g.s_q, g.topk, g.context, g.page, g.kv) == (
         (16, 64, 128), (32, 128), (1, 2), 2048, 32768, 64, ("bf16", "fp8_tile"))
     assert (g.prefill_heads, g.prefill_queries, g.prefill_kv, g.index_heads, g.index_dim) == ((64, 128), 4096, 32768,
@@ -283,6 +285,7 @@ def test_sparse_quick_shrinks_only_what_is_not_given():
     assert (g.topk, g.heads, g.context, g.batch, g.prefill_queries) == (256, (64,), 4096, (4,), 512)
     g = sparse.grid(parse("sparse", "--section", "indexer", "prefill", "indexer", "--no-peers", "--kv", "fp8_tile"))
     assert g.sections == ("indexer", "prefill") and not g.peers and g.kv == ("fp8_tile",)
+    assert sparse.grid(parse("sparse", "--index-keys", "fp8_ue8m0")).index_keys == ("fp8_ue8m0",)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -476,6 +479,7 @@ def test_indexer_budget_against_the_128_head_decode():
             dict(section="indexer", B=32, step="logits", us=12.0), dict(section="indexer", B=32, step="topk", us=8.0),
             dict(section="indexer", B=128, step="logits", us=40.0), dict(section="indexer", B=128, step="topk", us=9.0)]
     b32, b128 = sparse.indexer_budget(rows, (32, 128))
+    assert sparse.indexer_budget(rows, (32,), ("fp8_ue8m0",))[0]["text"].endswith("not timed")
     assert b32["us"] == 20.0 and b32["of_mla.ops_fp8_tile"] == 0.25 and b32["of_flashmla_fp8_tile"] == 20 / 64
     assert "25% of mla.ops fp8_tile (80.0 us)" in b32["text"] and "target <= 25%" in b32["text"]
     assert b128["us"] == 49.0 and "n/a" in b128["text"]

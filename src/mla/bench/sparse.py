@@ -3,7 +3,7 @@
     mla bench sparse [--section decode prefill indexer] [--quick] [--heads 16 64 128] [--batch 32 128]
                      [--s-q 1 2] [--topk 2048] [--context 32768] [--page 64] [--kv bf16 fp8_tile]
                      [--prefill-heads 64 128] [--prefill-queries 4096] [--prefill-kv 32768]
-                     [--index-heads 64] [--index-dim 128] [--no-peers] [--csv F]
+                     [--index-heads 64] [--index-dim 128] [--index-keys bf16 fp8_ue8m0] [--no-peers] [--csv F]
 
 DeepSeek-V3.2 dimensions: rows of r + dr = 512 + 64 values, the value the first 512, scale
 1/sqrt(192). ``--quick`` shrinks the defaults it is not given (topk 512 of 4096, B 4). Inputs:
@@ -20,12 +20,13 @@ table, a few -1 at the tail of every 7th query, NaN in every row no index names)
    the L2 flushed (``eager_time_us``); FLOPs = 2 * s_q * H * topk * (576 + 512), bytes = every
    kv row once + the indices + q + out.
 3. indexer: ``mla.ops.indexer_logits`` and ``mla.ops.topk_indices`` (top ``--topk`` of
-   ``--context`` keys, one query per sequence, bf16 index keys [blocks, page, dim]) apart and
+   ``--context`` keys, one query per sequence, index keys in bf16 [blocks, page, dim] and in
+   DeepSeek's FP8 rows [blocks, page, dim + 4], ``--index-keys``) apart and
    chained, and their sum as a fraction of the 128-head s_q 1 sparse decode at the same B
    (the issue's target: at most 25%).
 
 Every provider is checked against ``mla.ops.reference`` on the shape before it is timed
-(``mla.bench.sparse_checks``: out within 5e-3 norm-wise, lse within 1e-2, indexer logits
+(``mla.bench.sparse_checks``: out within 5e-3 norm-wise (1e-2 on FP8 tile rows), lse within 1e-2, indexer logits
 within 1e-5, top-k sets equal where scores are distinct; at most 512 queries a shape, sampled
 evenly). A call that reads the device back (the reference indexer reads the lengths) cannot
 be captured in a graph: it is timed eagerly, and its row's ``timing`` says so. A provider's
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import quant
 from . import report
 from . import sparse_cases as cases
 from . import sparse_checks as checks
@@ -54,6 +56,7 @@ __all__ = ["add_args", "validate", "run", "Grid", "grid", "sparse_decode_bytes",
            "indexer_budget"]
 
 SECTIONS = ("decode", "prefill", "indexer")
+INDEX_KEYS = ("bf16", "fp8_ue8m0")   # the indexer's key rows (mla.quant)
 KV_FORMATS = ("bf16", "fp8_tile")
 INDEXER_TARGET = 0.25      # issue 32: indexer + top-k at most this fraction of the sparse decode
 FULL = dict(heads=(16, 64, 128), batch=(32, 128), s_q=(1, 2), topk=2048, context=32768,
@@ -83,10 +86,12 @@ def sparse_prefill_flops(H, s_q, topk) -> int:
     return 2 * s_q * H * topk * (cases.D + cases.R)
 
 
-def indexer_bytes(step, B, K, n_heads, head_dim, topk) -> int:
-    """One query per sequence. "logits": bf16 keys, q and float32 weights in, float32 logits
-    out; "topk": logits in, int32 slots out; "both": what a fused pair needs (no logits)."""
-    inputs = B * K * head_dim * 2 + B * n_heads * head_dim * 2 + B * n_heads * 4
+def indexer_bytes(step, B, K, n_heads, head_dim, topk, keys: str = "bf16") -> int:
+    """One query per sequence. "logits": the keys (bf16, or DeepSeek's FP8 rows of
+    ``quant.index_width`` bytes), bf16 q and float32 weights in, float32 logits out; "topk":
+    logits in, int32 slots out; "both": what a fused pair needs (no logits)."""
+    key_bytes = head_dim * 2 if keys == "bf16" else quant.index_width(head_dim)
+    inputs = B * K * key_bytes + B * n_heads * head_dim * 2 + B * n_heads * 4
     return {"logits": inputs + B * K * 4, "topk": B * K * 4 + B * topk * 4, "both": inputs + B * topk * 4}[step]
 
 
@@ -118,6 +123,7 @@ class Grid:
     prefill_kv: int
     index_heads: int
     index_dim: int
+    index_keys: tuple
     peers: bool
 
 
@@ -140,6 +146,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-kv", **one, help="prefill kv rows (default 32768)")
     p.add_argument("--index-heads", type=positive_int, default=64, help="index_n_heads")
     p.add_argument("--index-dim", type=positive_int, default=128, help="index_head_dim")
+    p.add_argument("--index-keys", nargs="+", choices=INDEX_KEYS, default=list(INDEX_KEYS),
+                   help="indexer keys: bf16 (as transformers) and DeepSeek's FP8 rows (132 B at dim 128)")
     p.add_argument("--no-peers", action="store_true", help="time only mla (FlashMLA is not imported)")
     p.add_argument("--csv", default=None, help="every row to this CSV file (written after each shape)")
 
@@ -155,7 +163,7 @@ def grid(args) -> Grid:
                 topk=pick("topk"), context=pick("context"), page=args.page, kv=tuple(dict.fromkeys(args.kv)),
                 prefill_heads=pick("prefill_heads"), prefill_queries=pick("prefill_queries"),
                 prefill_kv=pick("prefill_kv"), index_heads=args.index_heads, index_dim=args.index_dim,
-                peers=not args.no_peers)
+                index_keys=tuple(dict.fromkeys(args.index_keys)), peers=not args.no_peers)
 
 
 def validate(args) -> None:
@@ -252,7 +260,7 @@ DECODE_COLS = [("H", 4, "d"), ("B", 4, "d"), ("s_q", 3, "d"), ("kv", 8, ""), ("p
 PREFILL_COLS = [("H", 4, "d"), ("s_q", 6, "d"), ("s_kv", 6, "d"), ("provider", 12, "<"), ("check", 5, "<"),
                 ("rel_err", 8, ".1e"), ("lse_err", 8, ".1e"), ("us", 9, ".0f"), ("TFLOPs", 6, ".0f"),
                 ("roof", 5, ".0%"), ("mla/flashmla", 12, ".2f"), ("timing", 6, "")]
-INDEXER_COLS = [("B", 4, "d"), ("K", 6, "d"), ("step", 7, "<"), ("check", 5, "<"), ("detail", 16, "<"),
+INDEXER_COLS = [("B", 4, "d"), ("K", 6, "d"), ("keys", 9, "<"), ("step", 7, "<"), ("check", 5, "<"), ("detail", 16, "<"),
                 ("us", 9, ".1f"), ("TBps", 6, ".2f"), ("TFLOPs", 6, ".0f"), ("roof", 5, ".0%"), ("timing", 6, "")]
 
 
@@ -328,12 +336,18 @@ def run_prefill(g: Grid, fm, rows: list, csv: str | None) -> None:
         torch.cuda.empty_cache()
 
 
-def indexer_shape(g: Grid, B: int) -> list[dict]:
+def indexer_shape(g: Grid, B: int, keys_fmt: str = "bf16") -> list[dict]:
     """indexer_logits, topk_indices (on the reference's logits) and the two chained at one B,
-    each checked (the chain by its parts), then timed."""
+    each checked (the chain by its parts), then timed. keys_fmt "fp8"/"fp8_ue8m0": the keys
+    stored and the queries quantized as the layer does for an FP8 ``index_format``."""
     from mla.ops import indexer_logits, reference, topk_indices
 
     c = cases.indexer_case(B, g.context, g.index_heads, g.index_dim, g.page)
+    if keys_fmt != "bf16":
+        h = quant.hadamard(g.index_dim, c["keys"].device)
+        n, page = c["keys"].shape[:2]
+        c["keys"] = quant.quantize_index(c["keys"].view(n * page, -1).float() @ h, keys_fmt).view(n, page, -1)
+        c["q"] = quant.fake_quant(c["q"].float() @ h, keys_fmt).to(c["q"].dtype)
 
     def logits_of(keys):
         return indexer_logits(c["q"], c["weights"], keys, c["table"], c["seqlens"], c["cu_seqlens_q"], g.context,
@@ -359,10 +373,10 @@ def indexer_shape(g: Grid, B: int) -> list[dict]:
     shape = []
     for step, fns in calls.items():
         row = dict(section="indexer", B=B, K=g.context, n_heads=g.index_heads, head_dim=g.index_dim, topk=g.topk,
-                   step=step, provider="mla.ops", **found[step])
+                   keys=keys_fmt, step=step, provider="mla.ops", **found[step])
         try:
             us, how = time_calls(fns)
-            row.update(_metrics(us, indexer_bytes(step, B, g.context, g.index_heads, g.index_dim, g.topk),
+            row.update(_metrics(us, indexer_bytes(step, B, g.context, g.index_heads, g.index_dim, g.topk, keys_fmt),
                                 indexer_flops(step, B, g.context, g.index_heads, g.index_dim)), timing=how)
         except Exception as e:
             row["error"] = _error(e)
@@ -371,38 +385,43 @@ def indexer_shape(g: Grid, B: int) -> list[dict]:
 
 
 def run_indexer(g: Grid, fm, rows: list, csv: str | None) -> None:
-    print(f"\n## indexer: {g.index_heads} heads x {g.index_dim}, bf16 keys, top-{g.topk} of {g.context}, "
+    print(f"\n## indexer: {g.index_heads} heads x {g.index_dim}, top-{g.topk} of {g.context}, "
           f"one query per sequence")
     print(report.fixed_header(INDEXER_COLS), flush=True)
-    for B in g.batch:
-        try:
-            shape = indexer_shape(g, B)
-        except Exception as e:
-            shape = [dict(section="indexer", B=B, K=g.context, step="inputs", provider="mla.ops", error=_error(e))]
-        _emit(shape, rows, INDEXER_COLS, "check", csv)
-        torch.cuda.empty_cache()
-    budget = indexer_budget(rows, g.batch)
+    for keys_fmt in g.index_keys:
+        for B in g.batch:
+            try:
+                shape = indexer_shape(g, B, keys_fmt)
+            except Exception as e:
+                shape = [dict(section="indexer", B=B, K=g.context, keys=keys_fmt, step="inputs", provider="mla.ops",
+                              error=_error(e))]
+            _emit(shape, rows, INDEXER_COLS, "check", csv)
+            torch.cuda.empty_cache()
+    budget = indexer_budget(rows, g.batch, g.index_keys)
     print("\n".join(b["text"] for b in budget), flush=True)
     rows += budget
 
 
-def indexer_budget(rows: list[dict], batches) -> list[dict]:
-    """At each B: indexer_logits + topk_indices (timed apart) over the 128-head s_q 1 sparse
-    decode of each cache format, mla's and FlashMLA's where timed (the issue's target: <= 25%)."""
+def indexer_budget(rows: list[dict], batches, index_keys=("bf16",)) -> list[dict]:
+    """At each B and key format: indexer_logits + topk_indices (timed apart) over the 128-head
+    s_q 1 sparse decode of each cache format, mla's and FlashMLA's where timed (the issue's
+    target: <= 25%)."""
     out = []
-    for B in batches:
-        us = {r["step"]: r.get("us") for r in rows if r.get("section") == "indexer" and r["B"] == B}
+    for keys_fmt, B in ((k, B) for k in index_keys for B in batches):
+        us = {r["step"]: r.get("us") for r in rows if r.get("section") == "indexer" and r["B"] == B
+              and r.get("keys", "bf16") == keys_fmt}
         if us.get("logits") is None or us.get("topk") is None:
-            out.append(dict(section="indexer_budget", B=B, text=f"indexer budget, B {B}: not timed"))
+            out.append(dict(section="indexer_budget", B=B, keys=keys_fmt,
+                            text=f"indexer budget, {keys_fmt} keys, B {B}: not timed"))
             continue
         total = us["logits"] + us["topk"]
         dec = [r for r in rows if r.get("section") == "decode" and (r.get("H"), r["B"], r.get("s_q")) == (128, B, 1)
                and "us" in r]
         parts = ", ".join(f"{total / r['us']:.0%} of {r['provider']} {r['kv']} ({r['us']:.1f} us)" for r in dec)
-        text = (f"indexer budget, B {B}: logits {us['logits']:.1f} + topk {us['topk']:.1f} = {total:.1f} us = "
+        text = (f"indexer budget, {keys_fmt} keys, B {B}: logits {us['logits']:.1f} + topk {us['topk']:.1f} = {total:.1f} us = "
                 f"{parts or 'n/a (no 128-head s_q 1 sparse decode timed at this B)'}; "
                 f"target <= {INDEXER_TARGET:.0%} of the decode")
-        out.append(dict(section="indexer_budget", B=B, us=total, text=text,
+        out.append(dict(section="indexer_budget", B=B, keys=keys_fmt, us=total, text=text,
                         **{f"of_{r['provider']}_{r['kv']}": total / r["us"] for r in dec}))
     return out
 
