@@ -140,9 +140,8 @@ def test_indexer_kernels(B, nq, n_heads, index_format):
     cache = torch.randn(nb, page, d, device="cuda", generator=g).to(torch.bfloat16)
     q = torch.randn(B * nq, n_heads, d, device="cuda", generator=g).to(torch.bfloat16)
     if index_format is not None:   # as the layer stores and queries them (mla.sparse)
-        h = quant.hadamard(d, "cuda")
-        cache = quant.quantize_index(cache.view(-1, d).float() @ h, index_format).view(nb, page, -1)
-        q = quant.fake_quant(q.float() @ h, index_format).to(torch.bfloat16)
+        cache = quant.quantize_index(quant.rotate(cache.view(-1, d)), index_format).view(nb, page, -1)
+        q = quant.fake_quant(quant.rotate(q), index_format).to(torch.bfloat16)
     w = torch.randn(B * nq, n_heads, device="cuda", generator=g)
     cu = torch.arange(0, B * nq + 1, nq, device="cuda", dtype=torch.int32)
     K = 5000

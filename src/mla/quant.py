@@ -35,11 +35,13 @@ exponents with bias 127); each 128 x 128 block dequantizes as w * scale.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 __all__ = ["FP8", "FP8_MAX", "TILE", "CACHE_FORMATS", "cache_format", "row_width", "storage_dtype", "quantize_rows",
            "dequantize_rows", "scale_to_float", "INDEX_FORMATS", "index_width", "hadamard", "quantize_index",
-           "dequantize_index", "fake_quant"]
+           "dequantize_index", "fake_quant", "rotate"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -123,10 +125,21 @@ def index_width(d: int) -> int:
 
 def hadamard(d: int, device=None) -> torch.Tensor:
     """The orthonormal d x d Hadamard matrix (Sylvester's construction, d a power of two), float32."""
+    return _hadamard(d, torch.device(device or "cpu"))
+
+
+@lru_cache(maxsize=None)
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    # built once per size and device: the indexer rotates its keys and queries in every step
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return (h / d ** 0.5).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> x H in float32 (H symmetric and orthonormal: dot products are kept)."""
+    return x.float() @ hadamard(x.shape[-1], x.device)
 
 
 def _scales(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
@@ -137,7 +150,7 @@ def _scales(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 
 
 def quantize_index(k: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Rotated indexer keys [N, d] (``hadamard`` applied) -> stored FP8 rows uint8 [N, index_width(d)]."""
+    """Rotated indexer keys [N, d] (``rotate`` applied) -> stored FP8 rows uint8 [N, index_width(d)]."""
     N, d = k.shape
     G = _groups(d)
     x = k.float().view(N, G, d // G)

@@ -59,7 +59,7 @@ def append_index_keys(k_idx: torch.Tensor, index_cache: torch.Tensor, slot_mappi
     if index_format is None:
         rows = k_idx.to(flat.dtype)
     else:
-        rows = quant.quantize_index(k_idx.float() @ quant.hadamard(k_idx.shape[-1], k_idx.device), index_format)
+        rows = quant.quantize_index(quant.rotate(k_idx), index_format)
     flat.index_copy_(0, slot_mapping, rows)
 
 
@@ -69,8 +69,7 @@ def index_query(q_idx: torch.Tensor, index_format: str | None) -> torch.Tensor:
     (exact in bf16 with power-of-two scales: e4m3 has 3 mantissa bits, bf16 7)."""
     if index_format is None:
         return q_idx
-    h = quant.hadamard(q_idx.shape[-1], q_idx.device)
-    return quant.fake_quant(q_idx.float() @ h, index_format).to(q_idx.dtype)
+    return quant.fake_quant(quant.rotate(q_idx), index_format).to(q_idx.dtype)
 
 
 def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int, index_format) -> torch.Tensor:

@@ -344,10 +344,9 @@ def indexer_shape(g: Grid, B: int, keys_fmt: str = "bf16") -> list[dict]:
 
     c = cases.indexer_case(B, g.context, g.index_heads, g.index_dim, g.page)
     if keys_fmt != "bf16":
-        h = quant.hadamard(g.index_dim, c["keys"].device)
         n, page = c["keys"].shape[:2]
-        c["keys"] = quant.quantize_index(c["keys"].view(n * page, -1).float() @ h, keys_fmt).view(n, page, -1)
-        c["q"] = quant.fake_quant(c["q"].float() @ h, keys_fmt).to(c["q"].dtype)
+        c["keys"] = quant.quantize_index(quant.rotate(c["keys"].view(n * page, -1)), keys_fmt).view(n, page, -1)
+        c["q"] = quant.fake_quant(quant.rotate(c["q"]), keys_fmt).to(c["q"].dtype)
 
     def logits_of(keys):
         return indexer_logits(c["q"], c["weights"], keys, c["table"], c["seqlens"], c["cu_seqlens_q"], g.context,
