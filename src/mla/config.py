@@ -77,7 +77,7 @@ class MLAConfig:
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
-    qk_rope_head_dim: int
+    qk_rope_head_dim: int               # 0: no RoPE part (GLM-5.3-Flash); a cache row is c_kv alone
     v_head_dim: int
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
@@ -132,11 +132,14 @@ class MLAConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
-        for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                  "v_head_dim", "max_position_embeddings"):
+        for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                  "max_position_embeddings"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
+        dr = self.qk_rope_head_dim
+        if not isinstance(dr, int) or isinstance(dr, bool) or dr < 0:
+            raise ValueError(f"qk_rope_head_dim: expected an int >= 0 (0: no RoPE part, GLM-5.3-Flash), got {dr!r}")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool)
                                              or self.q_lora_rank <= 0):
             raise ValueError(f"q_lora_rank: expected a positive int or None, got {self.q_lora_rank!r}")

@@ -15,7 +15,7 @@ A negative slot (padding) rotates but writes no cache row, and so does a slot pa
 (``mla.ops.rope_append`` refuses those on CPU; on CUDA they are unchecked, and never written). Rows are loaded whole (16-byte
 accesses) and split into pairs in registers; dr must be a power of two (64 in every preset;
 ``rope_append.takes`` says which inputs the kernel serves, ``mla.ops`` sends the others to the
-reference).
+reference), or 0 (GLM-5.3-Flash: no RoPE part, the row is c_kv alone, one program a token).
 """
 from __future__ import annotations
 
@@ -56,10 +56,11 @@ def _to_cache(x, kv_scale, out_ty: tl.constexpr, KV_FMT: tl.constexpr):
 
 
 @jit
-def _store_tile_row(dst, c_ptr, stride_cd, k, R, d):
-    """One FP8 tile row (bytes, unit stride): per 128 latent values e4m3 of value / scale with
-    scale = max(amax, 1e-12) / 448 (float32, after the R latent bytes), then k_pe as bfloat16.
-    A tile holding a NaN gets a NaN scale and NaN values, as in ``mla.quant.quantize_rows``."""
+def _store_tile_row(dst, c_ptr, stride_cd, R):
+    """The latent part of one FP8 tile row (bytes, unit stride): per 128 latent values e4m3 of
+    value / scale with scale = max(amax, 1e-12) / 448 (float32, after the R latent bytes); k_pe
+    follows as bfloat16 (the caller's). A tile holding a NaN gets a NaN scale and NaN values, as
+    in ``mla.quant.quantize_rows``."""
     j = tl.arange(0, 128)
     for t0 in range(0, R, 128):
         x = tl.load(c_ptr + (t0 + j) * stride_cd).to(tl.float32)
@@ -67,8 +68,6 @@ def _store_tile_row(dst, c_ptr, stride_cd, k, R, d):
         q8 = to_e4m3(tl.math.div_rn(x, scale))
         tl.store(dst + t0 + j, q8.to(tl.uint8, bitcast=True))
         tl.store((dst + R).to(tl.pointer_type(tl.float32)) + t0 // 128, scale)
-    k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
-    tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
 
 
 @jit
@@ -77,34 +76,40 @@ def _rope_append_kernel(
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kd, stride_ct, stride_cd,
     stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
     H, R, block_size, num_slots, kv_scale,
-    HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    KV_FMT: tl.constexpr,
+    HALF: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, KV_FMT: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     t64 = t.to(tl.int64)
     i = tl.arange(0, HALF)
     d = tl.arange(0, 2 * HALF)
-    c = tl.load(COS + t64 * stride_cos + i)
-    s = tl.load(SIN + t64 * stride_sin + i)
-
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = (h < H)[:, None]
-    q_ptr = QPE + t64 * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
-    x = tl.load(q_ptr, mask=ok, other=0.0)
-    tl.store(q_ptr, _rotate(x, c, s, BLOCK_H, HALF, INTERLEAVE).to(QPE.dtype.element_ty), mask=ok)
+    if ROPE:
+        c = tl.load(COS + t64 * stride_cos + i)
+        s = tl.load(SIN + t64 * stride_sin + i)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = (h < H)[:, None]
+        q_ptr = QPE + t64 * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+        x = tl.load(q_ptr, mask=ok, other=0.0)
+        tl.store(q_ptr, _rotate(x, c, s, BLOCK_H, HALF, INTERLEAVE).to(QPE.dtype.element_ty), mask=ok)
 
     if hb == 0:
-        k_ptr = KPE + t64 * stride_kt + d[None, :] * stride_kd
-        k = _rotate(tl.load(k_ptr), c, s, 1, HALF, INTERLEAVE).to(KPE.dtype.element_ty)
-        tl.store(k_ptr, k)
+        if ROPE:
+            k_ptr = KPE + t64 * stride_kt + d[None, :] * stride_kd
+            k = _rotate(tl.load(k_ptr), c, s, 1, HALF, INTERLEAVE).to(KPE.dtype.element_ty)
+            tl.store(k_ptr, k)
         slot = tl.load(SLOTS + t)
         if (slot >= 0) & (slot < num_slots):   # unchecked on CUDA: a slot past the pool is skipped
             dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
             if KV_FMT == 2:
-                _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, k, R, d)
+                _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, R)
+                if ROPE:
+                    k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
+                    tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
             else:
-                tl.store(dst + (R + d[None, :]) * stride_kvd, _to_cache(k, kv_scale, KV.dtype.element_ty, KV_FMT))
+                if ROPE:
+                    tl.store(dst + (R + d[None, :]) * stride_kvd,
+                             _to_cache(k, kv_scale, KV.dtype.element_ty, KV_FMT))
                 for r0 in range(0, R, BLOCK_R):
                     r = r0 + tl.arange(0, BLOCK_R)
                     c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
@@ -120,29 +125,35 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     r = c_kv.shape[-1]
     if T == 0:
         return None
-    half = dr // 2
+    # dr 0 (no RoPE part, GLM-5.3-Flash): only c_kv is written; a 1-pair placeholder keeps the
+    # aranges legal, and the ROPE branches that would read it compile away
+    rope = dr > 0
+    half = max(dr // 2, 1)
     fmt = kv_fmt(kv_cache)
     # the kernel reads cos/sin rows at unit stride (their row stride is passed) and slots at unit stride
     cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     block_h = min(32, triton.next_power_of_2(max(H, 1)))
-    grid = (T, triton.cdiv(H, block_h) if H > 0 else 1)
+    grid = (T, triton.cdiv(H, block_h) if H > 0 and rope else 1)
+    # without RoPE the rotation's tensors are never read: c_kv stands in for them (an empty
+    # tensor's pointer may be null, which a launcher may refuse)
+    rot = (q_pe, k_pe, cos, sin) if rope else (c_kv,) * 4
     _rope_append_kernel[grid](
-        q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping,
+        rot[0], rot[1], c_kv, rot[2], rot[3], kv_cache, slot_mapping,
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         H, r, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], float(kv_scale),
-        HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
+        HALF=half, ROPE=rope, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
         BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=fmt, num_warps=4,
     )
     return None
 
 
 def takes(q_pe, c_kv, kv_cache) -> bool:
-    """Whether the kernel serves these inputs: it splits whole rows in two (dr a power of two),
-    and tile rows in whole 128-value tiles of unit stride."""
+    """Whether the kernel serves these inputs: it splits whole rows in two (dr a power of two, or
+    0: no RoPE part), and tile rows in whole 128-value tiles of unit stride."""
     dr, r = q_pe.shape[-1], c_kv.shape[-1]
-    if dr < 2 or dr & (dr - 1):
+    if dr == 1 or dr & (dr - 1):
         return False
     return kv_fmt(kv_cache) != 2 or (r % 128 == 0 and kv_cache.stride(-1) == 1)
 
