@@ -17,6 +17,7 @@ import mla
 from mla import bench
 from mla import quant
 from mla.bench import decode, report, roofline, sparse, sparse_cases, sparse_checks, sparse_providers, timing
+from mla.bench import decode_providers as prov
 from mla.bench.decode_providers import decode_variant
 from mla.ops.decode.portable import DecodeConfig
 
@@ -52,6 +53,20 @@ def test_decode_bytes_and_flops_by_hand():
     assert decode.decode_bytes(8, 1, 64, 2, "bf16", 256, 32) == 64 * 576 + 2 * 8 * 544 * 2
     assert decode.decode_flops(8, 1, 64, 2, 256, 32) == 2 * 2 * 8 * 64 * 544
     assert decode.row_bytes("fp8_tile", 256, 32) == 256 + 8 + 64
+
+
+def test_decode_bytes_and_flops_count_the_keys_there_are():
+    # a mixed batch, H 16, B 2, max len 1000, 1500 keys together: the rows read are the 1500, not B * L
+    assert decode.decode_bytes(16, 2, 1000, 1, keys=1500) == 1500 * 1152 + 69_632
+    assert decode.decode_bytes(16, 2, 1000, 1, "fp8_tile", keys=1500) == 1500 * 656 + 69_632
+    assert decode.decode_flops(16, 2, 1000, 1, keys=1500) == 2 * 16 * 1500 * 1088
+    assert decode.decode_bytes(16, 2, 1000, 1, keys=2000) == decode.decode_bytes(16, 2, 1000, 1)
+    # one long: B 32, one 16k and 31 of 1k at 128 heads
+    K = 16384 + 31 * 1024
+    m = decode.decode_metrics(128, 32, 16384, 1, 40.0, keys=K)
+    assert m["TBps"] == pytest.approx((K * 1152 + 32 * 128 * 1088 * 2) / 40e-6 / 1e12)
+    assert m["TFLOPs"] == pytest.approx(2 * 128 * K * 1088 / 40e-6 / 1e12)
+    assert m["roof"] == pytest.approx(roofline.roofline_us(K * 1152 + 32 * 128 * 1088 * 2, 2 * 128 * K * 1088) / 40)
 
 
 def test_decode_metrics_against_the_roofline():
@@ -115,7 +130,41 @@ def test_decode_options_for_another_family():
     decode.validate(args)
 
 
+def test_mixed_grid_defaults_to_issue_34s():
+    args = parse("decode", "--mixed")
+    assert args.mixed == [] and decode.decode_grid(parse("decode"))[0] == (16, 1, 1024, 1)
+    grid = decode.mixed_grid(args)
+    assert len(grid) == 2 * 2 * 2 * 3              # heads 16 128, B 32 128, L 4k 16k, three mixes, s_q 1
+    assert grid[:4] == [(16, 32, 4096, 1, "equal"), (16, 32, 4096, 1, "uniform"), (16, 32, 4096, 1, "one-long"),
+                        (16, 32, 16384, 1, "equal")]
+    assert {s[3] for s in grid} == {1} and {s[0] for s in grid} == {16, 128}
+    decode.validate(args)
+
+
+def test_mixed_grid_takes_the_options():
+    args = parse("decode", "--mixed", "one-long", "uniform", "--heads", "128", "--s-q", "2", "--batch", "8",
+                 "--kv-len", "1024", "--kv", "bf16", "fp8")
+    assert decode.mixed_grid(args) == [(128, 8, 1024, 2, "one-long"), (128, 8, 1024, 2, "uniform")]
+    assert args.kv == ["bf16", "fp8"]
+    decode.validate(args)
+
+
+def test_mix_lengths():
+    assert decode.mix_lengths("equal", 4, 4096) == [4096] * 4
+    one = decode.mix_lengths("one-long", 32, 16384)
+    assert one[16] == 16384 and one.count(1024) == 31 and sum(one) == 16384 + 31 * 1024
+    assert decode.mix_lengths("one-long", 3, 20, s_q=2) == [2, 20, 2]       # L // 16 = 1, but a sequence holds s_q
+    u = decode.mix_lengths("uniform", 128, 4096)
+    assert len(u) == 128 and min(u) >= 1 and max(u) <= 4096 and len(set(u)) > 100
+    assert u == decode.mix_lengths("uniform", 128, 4096)                     # seeded
+    assert u != decode.mix_lengths("uniform", 128, 4096, seed=1)
+    assert min(decode.mix_lengths("uniform", 256, 8, s_q=3)) == 3
+    with pytest.raises(ValueError, match="one of"):
+        decode.mix_lengths("skewed", 4, 64)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (("--mixed", "skewed"), "invalid choice"), (("--mixed", "--kv-len", "1", "--s-q", "2"), "at least 2"),
     (("--kv-lora", "0"), "positive"), (("--rope", "x"), "positive"), (("--heads", "-1"), "positive"),
     (("--kv", "int4"), "invalid choice"), (("--variants", "w4-q2"), "--variants"),
     (("--variants", "gluon:nope"), "unknown kernel"), (("--kv", "fp8_tile", "--kv-lora", "320"), "multiple of 128"),
@@ -146,17 +195,21 @@ def row(provider, us, tbps, tflops, roof, kernel="", H=16, B=32, L=4096):
                 roof=roof, rel_err=1e-3, config="c")
 
 
-def test_summary_reports_the_dispatched_op_its_kernel_and_its_ratio_to_fa3():
+def test_summary_reports_the_dispatched_op_its_kernel_and_its_ratios_to_the_peers():
     rows = [row("mla.ops", 50.0, 3.11, 93.0, 0.72, "narrow"), row("triton:default", 80.0, 1.94, 58.0, 0.45, "portable"),
-            row("flashinfer-fa3", 40.0, 3.88, 116.0, 0.90), row("naive-torch", 200.0, 0.78, 23.0, 0.18)]
+            row("flashinfer-fa3", 40.0, 3.88, 116.0, 0.90), row("flashmla", 62.5, 2.49, 74.0, 0.58),
+            row("naive-torch", 200.0, 0.78, 23.0, 0.18)]
     lines = report.decode_summary(rows).splitlines()
     assert len(lines) == 2
     cells = lines[1].split()
-    # H B L s_q kv | op kernel best variant fa3 naive | op/fa3 best/fa3 | TB/s TF/s roof (of the op)
+    # H B L s_q kv | op kernel best variant fa3 flashmla naive | op/fa3 op/fmla best/fa3 | TB/s TF/s roof (of the op)
     assert cells[:5] == ["16", "32", "4096", "1", "bf16"]
-    assert cells[5:11] == ["50.0", "narrow", "80.0", "triton:default", "40.0", "200.0"]
-    assert cells[11:13] == ["1.25", "2.00"]
-    assert cells[13:] == ["3.11", "93", "72%"]
+    assert cells[5:12] == ["50.0", "narrow", "80.0", "triton:default", "40.0", "62.5", "200.0"]
+    assert cells[12:15] == ["1.25", "0.80", "2.00"]
+    assert cells[15:] == ["3.11", "93", "72%"]
+    # without FlashMLA its cells read "-"
+    cells = report.decode_summary([r for r in rows if r["provider"] != "flashmla"]).splitlines()[1].split()
+    assert cells[10] == "-" and cells[13] == "-"
 
 
 def test_summary_without_the_op_falls_back_to_the_fastest_named_kernel():
@@ -168,13 +221,17 @@ def test_summary_without_the_op_falls_back_to_the_fastest_named_kernel():
 
 def test_table_has_a_kernel_column_and_the_csv_keeps_it(tmp_path):
     rows = [row("mla.ops", 50.0, 3.11, 93.0, 0.72, "portable"), row("flashinfer-fa3", 40.0, 3.88, 116.0, 0.90),
-            dict(H=16, B=32, L=4096, s_q=1, kv="bf16", provider="gluon:seesaw", kernel="seesaw", error="ValueError: x")]
+            dict(H=16, B=32, L=4096, s_q=1, kv="bf16", provider="gluon:seesaw", kernel="seesaw", error="ValueError: x"),
+            row("flashmla", 25.0, 6.2, 186.0, 1.0),
+            dict(H=16, B=32, L=4096, s_q=1, kv="bf16", provider="naive-torch", note="n/a: equal lengths only")]
     report.add_ratios(rows)
     lines = report.decode_table(rows).splitlines()
-    assert lines[0].split()[5:8] == ["provider", "kernel", "us"]
-    assert lines[2].split()[5:8] == ["mla.ops", "portable", "50.0"] and "1.25" in lines[2]
+    assert lines[0].split()[5:8] == ["provider", "kernel", "us"] and lines[0].split()[11:13] == ["/fa3", "/fmla"]
+    assert lines[2].split()[5:8] == ["mla.ops", "portable", "50.0"] and lines[2].split()[11:13] == ["1.25", "2.00"]
     assert lines[3].split()[5:7] == ["flashinfer-fa3", "-"]
     assert lines[4].split()[5:8] == ["gluon:seesaw", "seesaw", "ERROR"]
+    assert lines[5].split()[11:13] == ["0.62", "1.00"]
+    assert lines[6].split()[5:] == ["naive-torch", "-", "n/a:", "equal", "lengths", "only"]
     report.write_csv(rows, tmp_path / "d.csv")
     head, first = (tmp_path / "d.csv").read_text().splitlines()[:2]
     assert "kernel" in head.split(",") and "portable" in first.split(",")
@@ -238,6 +295,125 @@ def test_op_and_naive_providers_on_a_cpu_case(kv_format, r, dr):
     assert bench.rel_err(op.call(c["kv"]), ref) < 1e-6          # the reference itself on CPU
     naive = naive_provider()(c)
     assert naive.kernel == "" and bench.rel_err(naive.call(c["kv"]), ref) < 2e-2
+
+
+def test_a_mixed_case_holds_the_blocks_its_lengths_fill():
+    lengths = [100, 1, 64, 0, 30]
+    c = bench.decode_case(3, 5, 100, 1, 16, device="cpu", lengths=lengths)
+    assert c["kv"].shape == (7 + 1 + 4 + 0 + 2, 16, 576) and c["table"].shape == (5, 7)
+    assert c["seqlens"].tolist() == lengths and c["lengths"] == lengths and c["keys"] == 195
+    used = [c["table"][b, :n].tolist() for b, n in enumerate([7, 1, 4, 0, 2])]
+    assert sorted(sum(used, [])) == list(range(14))                             # every block once, shuffled
+    assert all((c["table"][b, n:] == 0).all() for b, n in enumerate([7, 1, 4, 0, 2]))   # past the end: block 0
+    with pytest.raises(ValueError, match="lengths"):
+        bench.decode_case(3, 2, 100, 1, 16, device="cpu", lengths=[101, 3])
+
+
+def test_equal_lengths_give_the_grids_case_unchanged():
+    # tools/bitcheck_decode.py compares trees on decode_case's values: the same draws, table perm.view(B, P)
+    c = bench.decode_case(4, 3, 130, 2, 64, seed=5, device="cpu")
+    g = torch.Generator().manual_seed(5 + 7919 * 4 + 131 * 3 + 130 + 17 * 2)
+    kv = torch.randn(9, 64, 576, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(3, 2, 4, 576, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(9, generator=g).to(torch.int32).view(3, 3)
+    assert torch.equal(c["kv"], kv) and torch.equal(c["q"], q) and torch.equal(c["table"], table)
+    assert c["seqlens"].tolist() == [130] * 3 and c["keys"] == 390
+    m = bench.decode_case(4, 3, 130, 2, 64, seed=5, device="cpu", lengths=[130] * 3)
+    assert all(torch.equal(m[k], c[k]) for k in ("kv", "q", "table", "seqlens"))
+
+
+def fake_flash_mla(fill=True):
+    """A stand-in for FlashMLA's module (9241ae3's dense interface) that records each call and
+    answers with mla's reference on the cache it is given."""
+    from mla.ops import reference
+
+    calls = []
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits,
+                               softmax_scale=None, causal=False):
+        calls.append(dict(k_cache=k_cache.shape, table=block_table, seqlens=cache_seqlens, head_dim_v=head_dim_v,
+                          meta=meta, num_splits=num_splits, scale=softmax_scale, causal=causal))
+        meta.have_initialized = fill
+        out, lse = reference.mla_decode(q, k_cache[:, :, 0], block_table, cache_seqlens, head_dim_v, softmax_scale,
+                                        causal)
+        return out, lse.transpose(1, 2)
+    fm = SimpleNamespace(get_mla_metadata=lambda *a: (SimpleNamespace(have_initialized=False), None),
+                         flash_mla_with_kvcache=flash_mla_with_kvcache)
+    return fm, calls
+
+
+def test_flashmla_provider_plans_once_outside_the_timed_calls():
+    from mla.ops import reference
+
+    fm, calls = fake_flash_mla()
+    c = bench.decode_case(3, 4, 300, 2, 64, device="cpu", lengths=decode.mix_lengths("uniform", 4, 300, 2))
+    t = prov.flashmla_provider(fm)(c)
+    assert len(calls) == 1 and calls[0]["meta"].have_initialized     # the metadata, filled in make
+    out = t.call(c["kv"])
+    assert len(calls) == 2 and calls[1]["meta"] is calls[0]["meta"]    # the timed call reuses it
+    a = calls[1]
+    assert a["k_cache"] == (c["kv"].shape[0], 64, 1, 576) and a["head_dim_v"] == 512 and a["num_splits"] is None
+    assert a["table"] is c["table"] and a["seqlens"] is c["seqlens"] and a["scale"] == c["scale"] and a["causal"]
+    ref = reference.mla_decode(c["q"], c["kv"], c["table"], c["seqlens"], 512, c["scale"], True)[0]
+    assert out.shape == (4, 2, 3, 512) and torch.equal(out, ref)
+    fm, calls = fake_flash_mla(fill=False)
+    with pytest.raises(RuntimeError, match="unfilled"):
+        prov.flashmla_provider(fm)(c)
+
+
+@pytest.mark.parametrize("kv_format, r, dr, page, why", [
+    ("fp8", 512, 64, 64, "bf16 rows only"), ("fp8_tile", 512, 64, 64, "bf16 rows only"),
+    ("bf16", 256, 32, 64, "r 512, rope 64"), ("bf16", 512, 64, 16, "blocks of 64 rows, not 16")])
+def test_flashmla_refuses_what_its_dense_decode_does_not_take(kv_format, r, dr, page, why):
+    assert prov.flashmla_refusal("bf16", 512, 64, 64) is None
+    assert why in prov.flashmla_refusal(kv_format, r, dr, page)
+    c = bench.decode_case(3, 2, 64, 1, page, kv_format=kv_format, r=r, dr=dr, device="cpu")
+    fm, calls = fake_flash_mla()
+    with pytest.raises(prov.NotApplicable, match=why):
+        prov.flashmla_provider(fm)(c)
+    assert calls == []
+
+
+def test_flashmla_is_a_peer_only_where_it_imports(monkeypatch, capsys):
+    def missing():
+        raise ImportError("No module named 'flash_mla'")
+    monkeypatch.setattr(sparse_providers, "load_flash_mla", missing)
+    provs = decode.providers(parse("decode"))
+    assert "flashmla" not in provs and {"mla.ops", "triton:default", "naive-torch"} <= set(provs)
+    err = capsys.readouterr().err
+    assert "flashmla skipped: flash_mla is not importable (ImportError: No module named 'flash_mla')" in err
+    monkeypatch.setattr(sparse_providers, "load_flash_mla", lambda: fake_flash_mla()[0])
+    assert "flashmla" in decode.providers(parse("decode"))
+    assert "flashmla" not in decode.providers(parse("decode", "--no-peers"))
+
+
+def test_measure_on_a_mixed_cpu_case(monkeypatch):
+    # the timer needs CUDA graphs: a stand-in here; the checks, the refusals and the metrics run as on the GPU
+    monkeypatch.setattr(decode, "graph_time_us", lambda calls: 100.0)
+    lengths = decode.mix_lengths("one-long", 4, 256)
+    c = dict(bench.decode_case(3, 4, 256, 1, 64, device="cpu", lengths=lengths), mix="one-long")
+
+    def wrong():   # reads every sequence to L: the check against the reference must catch it
+        def make(c):
+            return prov.Timed(lambda kv: bench.decode_case(3, 4, 256, 1, 64, device="cpu")["q"][..., :512], "wrong")
+        return make
+    provs = {"mla.ops": prov.op_provider(), "flashmla": prov.flashmla_provider(fake_flash_mla()[0]),
+             "naive-torch": prov.naive_provider(), "wrong": wrong()}
+    rows = decode.measure(c, provs, 64)
+    by = {r["provider"]: r for r in rows}
+    assert all(r["mix"] == "one-long" and r["keys"] == 256 + 3 * 16 for r in rows)
+    assert by["mla.ops"]["rel_err"] < 1e-6 and by["mla.ops"]["us"] == 100.0
+    assert by["mla.ops"]["TBps"] == pytest.approx(decode.decode_bytes(3, 4, 256, 1, keys=304) / 100e-6 / 1e12)
+    assert by["flashmla"]["us"] == 100.0 and by["flashmla"]["config"] == "dense, bf16"
+    assert by["naive-torch"]["note"].startswith("n/a: naive PyTorch") and "us" not in by["naive-torch"]
+    assert by["wrong"]["error"].startswith("wrong result: rel_err") and "us" not in by["wrong"]
+    report.add_ratios(rows)
+    assert by["mla.ops"]["ratio_flashmla"] == 1.0
+    table = report.decode_table(rows).splitlines()
+    assert table[0].split()[5:9] == ["mix", "K", "provider", "kernel"]
+    assert table[2].split()[5:8] == ["one-long", "304", "mla.ops"]
+    cells = report.decode_summary(rows).splitlines()[1].split()
+    assert cells[5:8] == ["one-long", "304", "100.0"] and cells[12] == "100.0" and cells[15] == "1.00"
 
 
 # ------------------------------------------------------------------ mla bench sparse

@@ -3,7 +3,9 @@
 A provider is a function ``make(case) -> Timed``; ``case`` is a dict of ``decode_case``, and
 ``Timed.call(kv)`` runs the provider on the cache ``kv`` (the case's cache or a rotated copy
 of it) and returns out [B, s_q, H, r]. Whatever a provider prepares once per shape (a
-FlashInfer plan, a mask) happens in ``make``, outside the timed call.
+FlashInfer plan, FlashMLA's scheduling metadata, a mask) happens in ``make``, outside the timed
+call, as a serving engine plans once per step. A provider that does not take a case (a peer's
+documented limits) raises ``NotApplicable`` from ``make``; its row reads "n/a: why".
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Timed", "GLUON_KERNELS", "decode_variant", "triton_provider", "gluon_provider", "op_provider",
-           "flashinfer_provider", "naive_provider", "rel_err"]
+from .sparse_providers import NotApplicable
+
+__all__ = ["Timed", "NotApplicable", "GLUON_KERNELS", "decode_variant", "triton_provider", "gluon_provider",
+           "op_provider", "flashinfer_provider", "flashmla_refusal", "flashmla_provider", "naive_provider", "rel_err"]
 
 GLUON_KERNELS = ("gluon:seesaw", "gluon:narrow", "gluon:fp8reg")
 
@@ -104,23 +108,26 @@ def op_provider():
 
 
 def flashinfer_provider():
-    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (backend fa3), planned per shape outside
-    the timed call; one 256 MiB workspace for every shape. Raises ImportError without flashinfer."""
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (backend fa3), planned per case outside
+    the timed call over the pages each sequence fills (``kv_indptr`` from the lengths, as an
+    engine builds it); one 256 MiB workspace for every case. Raises ImportError without flashinfer."""
     import flashinfer  # the one place the decode benchmark imports FlashInfer
 
     ws = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
     def make(c):
         if c["kv_format"] == "fp8_tile":   # its per-128 scales come with an FP8 rope part; ours is bf16
-            raise ValueError("FlashInfer has no MLA cache with bf16 rope beside scaled e4m3 latents")
+            raise NotApplicable("FlashInfer has no MLA cache with bf16 rope beside scaled e4m3 latents")
         if (c["r"], c["dr"]) != (512, 64):   # its MLA kernels are instantiated for DeepSeek's dims
-            raise ValueError(f"the FlashInfer peer runs r 512, rope 64; got r {c['r']}, rope {c['dr']}")
+            raise NotApplicable(f"the FlashInfer peer runs r 512, rope 64; got r {c['r']}, rope {c['dr']}")
         B, s_q, H, P, r = c["B"], c["s_q"], c["H"], c["table"].shape[1], c["r"]
         dev = c["q"].device
+        pages = (c["seqlens"] + c["page"] - 1) // c["page"]
+        used = torch.arange(P, device=dev)[None, :] < pages[:, None]
         w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3")
         w.plan(qo_indptr=torch.arange(B + 1, device=dev, dtype=torch.int32) * s_q,
-               kv_indptr=torch.arange(B + 1, device=dev, dtype=torch.int32) * P,
-               kv_indices=c["table"].reshape(-1).contiguous(), kv_len_arr=c["seqlens"], num_heads=H,
+               kv_indptr=torch.cat([pages.new_zeros(1), pages.cumsum(0).to(pages.dtype)]),
+               kv_indices=c["table"][used].contiguous(), kv_len_arr=c["seqlens"], num_heads=H,
                head_dim_ckv=r, head_dim_kpe=c["dr"], page_size=c["page"], causal=s_q > 1, sm_scale=c["scale"],
                q_data_type=torch.bfloat16, kv_data_type=c["kv"].dtype)
         # FP8 rows (one e4m3 scale for all the row's values, 1.0 here): FlashInfer takes it per part
@@ -136,10 +143,50 @@ def flashinfer_provider():
     return make
 
 
+def flashmla_refusal(kv_format: str, r: int, dr: int, page: int) -> str | None:
+    """Why FlashMLA's dense decode does not take a case, or None when it does. Its checks
+    (9241ae3, csrc/api/dense_decode.h): the cache in q's dtype (no FP8 rows on Hopper), rows
+    of 576 with values of 512, blocks of 64 rows."""
+    if kv_format != "bf16":
+        return "FlashMLA's dense decode reads bf16 rows only (the cache must be in q's dtype)"
+    if (r, dr) != (512, 64):
+        return f"FlashMLA's dense decode takes r 512, rope 64; got r {r}, rope {dr}"
+    if page != 64:
+        return f"FlashMLA's dense decode takes blocks of 64 rows, not {page}"
+    return None
+
+
+def flashmla_provider(fm):
+    """FlashMLA's dense decode, ``fm.flash_mla_with_kvcache`` over the cache viewed [blocks, 64,
+    1, 576]; ``fm`` its module (``sparse_providers.load_flash_mla``). Its scheduling metadata
+    (a ``FlashMLASchedMeta`` from ``get_mla_metadata()``) is filled from the lengths by the
+    first call on it: ``make`` makes that call, outside any graph, so the timed calls run the
+    split kernel and its combine only, over the metadata of their case (same shapes, same
+    lengths, as FlashMLA requires for reuse)."""
+    def make(c):
+        why = flashmla_refusal(c["kv_format"], c["r"], c["dr"], c["page"])
+        if why:
+            raise NotApplicable(why)
+        meta, _ = fm.get_mla_metadata()
+
+        def call(kv):
+            return fm.flash_mla_with_kvcache(c["q"], kv.unsqueeze(2), c["table"], c["seqlens"], c["r"], meta, None,
+                                             softmax_scale=c["scale"], causal=c["s_q"] > 1)[0]
+        call(c["kv"])
+        if not getattr(meta, "have_initialized", False):   # else the graph would capture the planning too
+            raise RuntimeError("flash_mla: the first call left its FlashMLASchedMeta unfilled; this benchmark "
+                               "follows FlashMLA 9241ae3's interface (metadata filled by the first call)")
+        return Timed(call, "dense, bf16")
+    return make
+
+
 def naive_provider():
-    """Plain PyTorch: gather the pages, bmm, softmax, bmm (FP8 caches dequantized whole first)."""
+    """Plain PyTorch: gather the pages, bmm, softmax, bmm (FP8 caches dequantized whole first);
+    every sequence L long, so it does not take a mixed-length case."""
     def make(c):
         B, s_q, H, L, r, d = c["B"], c["s_q"], c["H"], c["L"], c["r"], c["r"] + c["dr"]
+        if c.get("keys", B * L) != B * L:
+            raise NotApplicable("naive PyTorch masks every sequence at L: equal lengths only")
         q = c["q"].reshape(B, s_q * H, d)
         key = torch.arange(c["table"].shape[1] * c["page"], device=q.device)
         limit = L - s_q + 1 + torch.arange(s_q, device=q.device).repeat_interleave(H)

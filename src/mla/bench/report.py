@@ -5,7 +5,7 @@ import csv
 import sys
 
 __all__ = ["write_csv", "print_rows", "fixed_header", "fixed_line", "add_ratios", "decode_table", "decode_summary",
-           "decode_plot"]
+           "decode_plot", "PEER_RATIOS"]
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -49,55 +49,81 @@ def fixed_line(row: dict, cols: list[tuple[str, int, str]], stop: str | None = N
 
 
 def _key(r):
-    return r["H"], r["B"], r["L"], r["s_q"], r.get("kv", "bf16")
+    return r["H"], r["B"], r["L"], r["s_q"], r.get("kv", "bf16"), r.get("mix")
+
+
+# the ratio columns of the decode tables: each row's time over the peer's on the same case
+PEER_RATIOS = {"ratio_fa3": "flashinfer-fa3", "ratio_flashmla": "flashmla"}
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``ratio_fa3`` on every timed decode row: its time over FlashInfer fa3's on the same shape."""
-    peer = {_key(r): r.get("us") for r in rows if r["provider"] == "flashinfer-fa3"}
-    for r in rows:
-        p = peer.get(_key(r))
-        if p and r.get("us"):
-            r["ratio_fa3"] = r["us"] / p
+    """``ratio_fa3`` and ``ratio_flashmla`` on every timed decode row: its time over FlashInfer
+    fa3's and over FlashMLA's on the same case (shape, cache format and length mix)."""
+    for ratio, name in PEER_RATIOS.items():
+        peer = {_key(r): r.get("us") for r in rows if r["provider"] == name}
+        for r in rows:
+            p = peer.get(_key(r))
+            if p and r.get("us"):
+                r[ratio] = r["us"] / p
+
+
+def _mixed(rows: list[dict]) -> bool:
+    return any("mix" in r for r in rows)
 
 
 def decode_table(rows: list[dict]) -> str:
-    """One line per (shape, provider); ``kernel``: our kernel that ran ("-" for a peer)."""
-    shape = "{H:>4} {B:>4} {L:>6} {s_q:>3} {kv:>8}  {provider:<16} {kernel:<9}"
-    head = (shape.format(H="H", B="B", L="L", s_q="s_q", kv="kv", provider="provider", kernel="kernel")
-            + f" {'us':>9} {'TB/s':>6} {'TF/s':>6} {'roof':>5} {'/fa3':>6} {'err':>8}  config")
+    """One line per (case, provider); ``kernel``: our kernel that ran ("-" for a peer); the
+    mix and K (the batch's cached keys) where the rows have mixed lengths."""
+    mix = " {mix:>8} {keys:>8}" if _mixed(rows) else ""
+    shape = "{H:>4} {B:>4} {L:>6} {s_q:>3} {kv:>8}" + mix + "  {provider:<16} {kernel:<9}"
+    head = (shape.format(H="H", B="B", L="L", s_q="s_q", kv="kv", mix="mix", keys="K", provider="provider",
+                         kernel="kernel")
+            + f" {'us':>9} {'TB/s':>6} {'TF/s':>6} {'roof':>5} {'/fa3':>6} {'/fmla':>6} {'err':>8}  config")
     out = [head, "-" * len(head)]
     for r in rows:
-        cells = shape.format(**{**r, "kernel": r.get("kernel") or "-"})
-        if "error" in r:
-            out.append(f"{cells} ERROR {r['error']}")
+        cells = shape.format(**{"mix": "", "keys": "", **r, "kernel": r.get("kernel") or "-"})
+        if "error" in r or "note" in r:
+            out.append(f"{cells} ERROR {r['error']}" if "error" in r else f"{cells} {r['note']}")
             continue
-        ratio = f"{r['ratio_fa3']:6.2f}" if "ratio_fa3" in r else f"{'-':>6}"
-        out.append(f"{cells} {r['us']:9.1f} {r['TBps']:6.2f} {r['TFLOPs']:6.0f} {r['roof']:5.0%} {ratio} "
+        ratios = " ".join(f"{r[k]:6.2f}" if k in r else f"{'-':>6}" for k in PEER_RATIOS)
+        out.append(f"{cells} {r['us']:9.1f} {r['TBps']:6.2f} {r['TFLOPs']:6.0f} {r['roof']:5.0%} {ratios} "
                    f"{r['rel_err']:8.1e}  {r['config']}")
     return "\n".join(out)
 
 
+# the summary's columns after the case's: the op, the fastest named kernel, the peers, the ratios, the op's rates
+SUMMARY_COLS = [("mla.ops", 8, ".1f"), ("kernel", 8, "<"), ("best", 8, ".1f"), ("variant", 15, "<"),
+                ("fa3", 8, ".1f"), ("flashmla", 8, ".1f"), ("naive", 8, ".1f"), ("op/fa3", 7, ".2f"),
+                ("op/fmla", 7, ".2f"), ("best/fa3", 8, ".2f"), ("TB/s", 5, ".2f"), ("TF/s", 5, ".0f"),
+                ("roof", 5, ".0%")]
+
+
 def decode_summary(rows: list[dict]) -> str:
-    """One line per shape: the public op as dispatched and the kernel it ran, the fastest kernel
-    timed by name, the peers; TB/s, TFLOP/s and roofline fraction of the op (of the fastest
-    named kernel without it)."""
-    head = (f"{'H':>4} {'B':>4} {'L':>6} {'s_q':>3} {'kv':>8} {'mla.ops':>8} {'kernel':<8} {'best':>8} "
-            f"{'variant':<15} {'fa3':>8} {'naive':>8} {'op/fa3':>7} {'best/fa3':>8} {'TB/s':>5} {'TF/s':>5} "
-            f"{'roof':>5}")
-    out = [head]
+    """One line per case: the public op as dispatched and the kernel it ran, the fastest kernel
+    timed by name, the peers, the op's time over each peer's (and the fastest kernel's over
+    fa3's); TB/s, TFLOP/s and roofline fraction of the op (of the fastest named kernel without
+    it). Rows of mixed lengths add the mix and K."""
+    cols = [("H", 4, "d"), ("B", 4, "d"), ("L", 6, "d"), ("s_q", 3, "d"), ("kv", 8, "")]
+    cols += [("mix", 8, ""), ("K", 8, "d")] if _mixed(rows) else []
+    cols += SUMMARY_COLS
+    out = [fixed_header(cols).splitlines()[0]]
     for k in dict.fromkeys(_key(r) for r in rows):
-        rs = [r for r in rows if _key(r) == k and "us" in r]
+        case = [r for r in rows if _key(r) == k]
+        rs = [r for r in case if "us" in r]
         by = {r["provider"]: r for r in rs}
         named = [r for r in rs if r["provider"].startswith(("triton:", "gluon:"))]
         best = min(named, key=lambda r: r["us"]) if named else None
-        d, f, n = by.get("mla.ops"), by.get("flashinfer-fa3"), by.get("naive-torch")
-        fmt = lambda r: f"{r['us']:8.1f}" if r else f"{'-':>8}"  # noqa: E731
-        rat = lambda r: f"{r['us'] / f['us']:.2f}" if r and f else "-"  # noqa: E731
-        m = d or best
-        out.append(f"{k[0]:>4} {k[1]:>4} {k[2]:>6} {k[3]:>3} {k[4]:>8} {fmt(d)} {(d or {}).get('kernel') or '-':<8} "
-                   f"{fmt(best)} {(best['provider'] if best else '-'):<15} {fmt(f)} {fmt(n)} {rat(d):>7} "
-                   f"{rat(best):>8} " + (f"{m['TBps']:5.2f} {m['TFLOPs']:5.0f} {m['roof']:5.0%}" if m else ""))
+        d, f, m = by.get("mla.ops"), by.get("flashinfer-fa3"), by.get("flashmla")
+        us = lambda r: r["us"] if r else None  # noqa: E731
+        over = lambda a, b: a["us"] / b["us"] if a and b else None  # noqa: E731
+        top = d or best or {}
+        line = dict(zip(("H", "B", "L", "s_q", "kv", "mix"), k))
+        line.update({"K": case[0].get("keys"), "mla.ops": us(d), "kernel": (d or {}).get("kernel") or None,
+                     "best": us(best), "variant": best["provider"] if best else None, "fa3": us(f),
+                     "flashmla": us(m), "naive": us(by.get("naive-torch")), "op/fa3": over(d, f),
+                     "op/fmla": over(d, m), "best/fa3": over(best, f), "TB/s": top.get("TBps"),
+                     "TF/s": top.get("TFLOPs"), "roof": top.get("roof")})
+        out.append(fixed_line(line, cols))
     return "\n".join(out)
 
 
@@ -111,13 +137,14 @@ def decode_plot(rows: list[dict], path: str) -> None:
     except ImportError:
         print("--png: matplotlib is not installed; no chart written", file=sys.stderr)
         return
-    shapes = sorted({(r["H"], r["s_q"], r["B"], r["L"]) for r in rows})
-    labels = [f"H{h} sq{s}\nB{b} L{l // 1024}k" for h, s, b, l in shapes]
+    case = lambda r: (r["H"], r["s_q"], r["B"], r["L"], r.get("mix") or "")  # noqa: E731
+    shapes = sorted({case(r) for r in rows})
+    labels = [f"H{h} sq{s}\nB{b} L{l // 1024}k {m}" for h, s, b, l, m in shapes]
     fig, ax = plt.subplots(figsize=(max(8, len(shapes) * 0.6), 4))
     provs = sorted({r["provider"] for r in rows})
     width = 0.8 / len(provs)
     for j, p in enumerate(provs):
-        by = {(r["H"], r["s_q"], r["B"], r["L"]): r.get("roof", 0) for r in rows if r["provider"] == p}
+        by = {case(r): r.get("roof", 0) for r in rows if r["provider"] == p}
         ax.bar([i + j * width for i in range(len(shapes))], [100 * by.get(s, 0) for s in shapes], width, label=p)
     ax.set_xticks([i + 0.4 for i in range(len(shapes))], labels, fontsize=6)
     ax.set_ylabel("% of roofline")

@@ -1,6 +1,6 @@
 """The one timer of the benchmarks: every figure ``mla bench`` and ``benchmarks/`` report comes from here.
 
-Two methods, both in microseconds per call:
+Two methods, both in microseconds per call, and a breakdown by kernel:
 
 - ``graph_time_us(calls)``: one CUDA graph holding every call, replayed; the median replay time
   over the number of calls. For kernels of microseconds, whose launch gaps and host overhead
@@ -9,8 +9,10 @@ Two methods, both in microseconds per call:
 - ``eager_time_us(fn)``: eager calls under ``triton.testing.do_bench``, which flushes the L2
   before each call; the median. For calls that cannot be captured (they read the host) or run
   long enough that a launch gap does not matter.
+- ``kernel_times_us(fn)``: the mean device time of each kernel one eager call of fn launches
+  (torch.profiler): where a call's time goes, e.g. a split-KV kernel against its combine.
 
-Both take ``iters``: a fixed number of calls (3 warm-up calls, then the mean of ``iters``)
+Both timers take ``iters``: a fixed number of calls (3 warm-up calls, then the mean of ``iters``)
 instead of do_bench's count, which do_bench picks from each process's own estimate. A
 multi-process benchmark needs the fixed count: every rank must make the same number of calls,
 or the collectives inside them hang.
@@ -22,7 +24,8 @@ import time
 
 import torch
 
-__all__ = ["L2_ROTATE_BYTES", "copies_past_l2", "rotated_copies", "graph_time_us", "eager_time_us"]
+__all__ = ["L2_ROTATE_BYTES", "copies_past_l2", "rotated_copies", "graph_time_us", "eager_time_us",
+           "kernel_times_us"]
 
 # 4x the H200's 60 MB L2: rotating through this many bytes leaves nothing of a call's inputs there
 L2_ROTATE_BYTES = 240 << 20
@@ -70,9 +73,14 @@ def graph_time_us(calls, iters: int | None = None) -> float:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+    except Exception:
+        torch.cuda.set_stream(stream)   # a capture that fails inside leaves its side stream current
+        raise
     torch.cuda.synchronize()
     if iters is None:
         from triton.testing import do_bench
@@ -93,3 +101,21 @@ def eager_time_us(fn, iters: int | None = None, sync: bool = True) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=25, return_mode="median") * 1e3
+
+
+def kernel_times_us(fn, calls: int = 20) -> dict[str, float]:
+    """The mean device time in microseconds of each kernel fn launches, by kernel name (cut to
+    40 characters), over ``calls`` eager calls after one warm-up call. A kernel launched as a
+    programmatic dependent counts its wait for the kernel before it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    # the device's own activities only: a host-side event (a launch) carries its kernels' time too
+    return {e.key[:40]: e.device_time_total / calls for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.device_time_total > 0}
