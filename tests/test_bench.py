@@ -19,6 +19,9 @@ from mla import quant
 from mla.bench import decode, report, roofline, sparse, sparse_cases, sparse_checks, sparse_providers, timing
 from mla.bench import decode_providers as prov
 from mla.bench.decode_providers import decode_variant
+from mla.bench import layer_grid, layer_peer, layer_step
+from mla.testing import random_state_dict
+from mla.weights import quantize_checkpoint_fp8
 from mla.ops.decode.portable import DecodeConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -659,3 +662,211 @@ def test_indexer_budget_against_the_128_head_decode():
     assert b32["us"] == 20.0 and b32["of_mla.ops_fp8_tile"] == 0.25 and b32["of_flashmla_fp8_tile"] == 20 / 64
     assert "25% of mla.ops fp8_tile (80.0 us)" in b32["text"] and "target <= 25%" in b32["text"]
     assert b128["us"] == 49.0 and "n/a" in b128["text"]
+
+
+# ------------------------------------------------------------------ mla bench layer: the decode step
+
+def test_layer_step_options_default_to_issue_33s_grid():
+    g = layer_grid.step_grid(parse("layer"))
+    assert (g.heads, g.batch, g.context) == ((16, 128), (1, 8, 32, 128), (1024, 4096, 16384))
+    assert (g.weights, g.kv, g.layers, g.profile, g.peer) == (("bf16",), ("bf16",), 4, 0, True)
+    args = parse("layer", "--phase", "decode", "--quick")
+    assert args.phase == "decode" and layer_grid.step_grid(args).batch == (1, 32)
+    assert layer_grid.step_grid(args).context == (4096,) and layer_grid.step_grid(args).heads == (16, 128)
+
+
+def test_layer_step_options_select_subsets():
+    g = layer_grid.step_grid(parse("layer", "--quick", "--batch", "8", "128", "8", "--context", "1k", "16K", "2048",
+                                   "--heads", "128", "--weights", "fp8", "bf16", "--kv", "fp8_tile", "fp8", "fp8",
+                                   "--layers", "1", "--profile", "--no-peer"))
+    assert (g.batch, g.context, g.heads) == ((8, 128), (1024, 16384, 2048), (128,))   # --quick fills only the rest
+    assert (g.weights, g.kv, g.layers, g.profile, g.peer) == (("fp8", "bf16"), ("fp8_tile", "fp8"), 1, 10, False)
+    assert layer_grid.step_grid(parse("layer", "--profile", "3")).profile == 3
+    assert layer_grid.context_tokens(" 4K ") == 4096 and layer_grid.context_tokens("2") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--context", "1"), "token count >= 2"), (("--context", "4kk"), "positive integer"),
+    (("--kv", "int4"), "invalid choice"), (("--weights", "fp4"), "invalid choice"),
+    (("--layers", "0"), "positive integer"), (("--profile", "0"), "positive integer"), (("--batch", "x"), "positive"),
+    (("--context", "4k", "200k"), "at most 163840 tokens"),
+])
+def test_bad_layer_options_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["layer", *argv])
+    err = capsys.readouterr().err
+    assert (e.value.code, message in err, "Traceback" in err) == (2, True, False), err
+
+
+def test_layer_step_floor_by_hand():
+    # DeepSeek-V3, 128 heads, bf16: q_a + kv_a 2112 x 7168, q_b 24576 x 1536, kv_b 32768 x 512, o 7168 x 16384
+    layer = mla.MLA(mla.MLAConfig.preset("deepseek-v3"), dtype=torch.bfloat16, device="meta")
+    elements = 2112 * 7168 + 24576 * 1536 + 32768 * 512 + 7168 * 16384
+    assert elements == 187_105_280
+    # the matrices, the two latent norms (1536 + 512 bf16) and the RoPE frequencies (32 float32)
+    assert layer_grid.weight_bytes(layer) == 2 * elements + 2 * 2048 + 4 * 32 == 374_214_784
+    assert layer_grid.projection_flops(layer, 32) == (2 * 32 * elements, 0)
+    # B 32: 87.4 us of reading weights against 15.2 us of GEMM; + 30 us of decode kernel
+    assert layer_grid.floor_us(374_214_784, 2 * 32 * elements, 0, 30.0) == pytest.approx(374_214_784 / 4.28e6 + 30)
+    # compute-bound: 7.9 GFLOP bf16 (10 us) + 15.8 GFLOP FP8 at twice the peak (10 us) against 4.28 MB (1 us)
+    assert layer_grid.FP8_GEMM_FLOPS_PER_S == 2 * roofline.GEMM_FLOPS_PER_S
+    assert layer_grid.floor_us(4.28e6, 7.9e9, 15.8e9, 5.0) == pytest.approx(25.0)
+    assert layer_grid.floor_us(4.28e7, 7.9e9, 0, 0.0) == pytest.approx(10.0)
+
+
+def test_layer_step_floor_of_fp8_weights():
+    cfg = mla.MLAConfig.preset("tiny")      # D 256, H 4, q_lora 64, r 64, dn 32, dr 16, dv 32
+    sd = quantize_checkpoint_fp8(random_state_dict(cfg, torch.Generator().manual_seed(0)))
+    layer = layer_step.build_layer(cfg, sd, "fp8", device="cpu")
+    assert layer.w_q_b.dtype == layer.w_o.dtype == torch.float8_e4m3fn and layer.w_a.dtype == torch.bfloat16
+    bf16, fp8 = (64 + 80) * 256 + 4 * 64 * 64, 4 * 48 * 64 + 256 * 128   # fused q_a/kv_a, kv_b | q_b, o
+    scales = 4 * (2 * 1 + 2 * 1)            # one float32 per 128 x 128 block of q_b (192 x 64) and o (256 x 128)
+    assert layer_grid.weight_bytes(layer) == 2 * bf16 + fp8 + scales + 2 * (64 + 64) + 4 * 8
+    assert layer_grid.projection_flops(layer, 3) == (2 * 3 * bf16, 2 * 3 * fp8)
+
+
+def test_layer_step_memory_by_hand():
+    cfg = mla.MLAConfig.preset("deepseek-v3")
+    # B 2 x 100 tokens: 2 pages of 64 a sequence; rows of 1152, 576 and 656 bytes
+    assert layer_grid.cache_bytes(cfg, "bf16", 2, 100) == 2 * 2 * 64 * 1152
+    assert layer_grid.cache_bytes(cfg, "fp8", 2, 100, layers=4) == 4 * 2 * 2 * 64 * 576
+    assert layer_grid.cache_bytes(cfg, "fp8_tile", 2, 100) == 2 * 2 * 64 * 656
+    # a 2.4 GB cache: no rotated copy; a 4-layer cache of 1 MB a layer: 240 copies of one layer
+    big = layer_grid.cache_bytes(cfg, "bf16", 128, 16384)
+    assert layer_grid.row_bytes_needed(cfg, "bf16", 128, 16384) == big + layer_grid.HEADROOM
+    one = layer_grid.cache_bytes(cfg, "bf16", 1, 1024)
+    assert layer_grid.row_bytes_needed(cfg, "bf16", 1, 1024, 4) == 4 * one + 63 * one + layer_grid.HEADROOM
+    fill = 12 * 1024 * 576       # the quantization's temporaries of the 1024 rows
+    assert layer_grid.row_bytes_needed(cfg, "fp8", 1, 1024) == 64 * one // 2 + fill + layer_grid.HEADROOM
+
+
+def test_layer_step_fills_every_format_through_the_block_table():
+    cfg = mla.MLAConfig.preset("tiny").replace(kv_lora_rank=128)     # tile rows: a multiple of 128
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(3, 40, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g).to(torch.bfloat16)
+    for kv, (dtype, scaling) in layer_grid.KV_FORMATS.items():
+        cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=40, block_size=16, dtype=dtype, fp8_scaling=scaling)
+        cache.prepare([("pad", 20)])          # the sequences' blocks do not start at 0
+        cache.prepare([(b, 40) for b in range(3)])
+        layer_step.fill_latents(cache, cache.prepare([(b, 1) for b in range(3)]).block_table, latents, chunk_rows=50)
+        fmt = cache.format
+        for b in range(3):
+            rows = cache.kv[1, cache.blocks(b)].reshape(-1, cache.kv.shape[-1])[:40]
+            got = rows.float() if fmt == "plain" else quant.dequantize_rows(rows, fmt, cfg.kv_lora_rank)
+            tol = 0 if fmt == "plain" else 0.07      # e4m3: 3 mantissa bits
+            assert (got - latents[b].float()).abs().max() <= tol * latents[b].float().abs().max(), kv
+        assert cache.kv[:, cache.blocks("pad")].float().abs().sum() == 0
+
+
+def test_layer_step_profile_table_from_events():
+    from torch.autograd import DeviceType
+
+    def ev(key, count, us, device=DeviceType.CUDA):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=us, device_type=device)
+    events = [ev("gemm", 40, 600.0), ev("decode", 20, 300.0), ev("Memcpy DtoD", 60, 60.0), ev("rms", 40, 40.0),
+              ev("cudaGraphLaunch", 20, 1000.0, DeviceType.CPU), ev("idle", 20, 0.0)]
+    rows = layer_grid.top_kernels(events, 20, 2)
+    assert [r["kernel"] for r in rows] == ["gemm", "decode", "(2 others)"]
+    assert [r["us"] for r in rows] == [30.0, 15.0, 5.0] and [r["calls"] for r in rows] == [2.0, 1.0, 5.0]
+    assert [r["share"] for r in rows] == [0.6, 0.3, pytest.approx(0.1)]
+    assert layer_grid.top_kernels([], 20, 5) == []
+
+
+def test_transformers_config_of_deepseek_v3():
+    for cfg in (mla.MLAConfig.preset("deepseek-v3").replace(num_heads=16), mla.MLAConfig.preset("tiny")):
+        hf = layer_peer.hf_config(cfg)
+        assert hf.num_attention_heads == hf.num_key_value_heads == cfg.num_heads and hf.rope_interleave
+        assert hf._attn_implementation == "sdpa" and mla.MLAConfig.from_hf(hf) == cfg
+    # kv_b_proj's output [B, L, H, 256], the keys [B, H, L, 192], the values [B, H, L, 128], the cache
+    assert layer_peer.step_bytes(mla.MLAConfig.preset("deepseek-v3"), 2, 100) == 2 * 2 * 100 * (
+        128 * (256 + 192 + 128) + 576)
+
+
+def _peer_case(cfg, B, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = random_state_dict(cfg, g)
+    layer = layer_step.build_layer(cfg, sd, device="cpu")
+    latents = torch.randn(B, L - 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g).to(torch.bfloat16)
+    x = torch.randn(B, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    cache = mla.PagedLatentCache(cfg, num_blocks=B * 4, block_size=16, dtype=torch.bfloat16)
+    cache.prepare([(b, L - 1) for b in range(B)])
+    batch = cache.prepare([(b, 1) for b in range(B)])
+    layer_step.fill_latents(cache, batch.block_table, latents)
+    return sd, latents, x, layer(x, batch)
+
+
+def test_transformers_peer_on_the_same_rows_agrees_with_mla(monkeypatch):
+    cfg = mla.MLAConfig.preset("tiny")
+    sd, latents, x, want = _peer_case(cfg, 3, 50)
+    module, hf = layer_peer.attention(cfg, sd, "cpu")
+    step = layer_peer.StaticStep(hf, x, latents, cfg.rope_interleave)
+    assert step.mask.shape == (3, 1, 1, 50) and step.mask.dtype == torch.bool
+    assert step.cache.layers[0].keys.shape == (3, 1, 50, cfg.kv_lora_rank)
+    out = step(module)
+    assert out.shape == (3, 1, cfg.hidden_size) and int(step.position) == 50     # the call wrote token 49
+    assert step(module).equal(out)                 # the write position goes back to 49 each call
+    assert bench.rel_err(out.view(3, -1), want.float()) < layer_peer.TOL / 3
+    monkeypatch.setattr(timing, "eager_time_us", lambda fn: (fn(), 123.0)[1])
+    row = layer_peer.time_peer(module, None, step, want)
+    assert row["eager_us"] == 123.0 and row["rel_err"] < layer_peer.TOL / 3 and "graph_us" not in row
+    # k_pe in mla's interleaved layout where transformers' is expected: the check refuses the peer
+    wrong = layer_peer.StaticStep(hf, x, latents, interleave=False)
+    with pytest.raises(RuntimeError, match="off mla's eager step"):
+        layer_peer.time_peer(module, None, wrong, want)
+
+
+def test_layer_step_rows_on_cpu_with_stand_in_timers(monkeypatch, capsys):
+    monkeypatch.setattr(layer_step, "eager_time_us", lambda fn: (fn(), 100.0)[1])
+    monkeypatch.setattr(layer_step, "graph_time_us", lambda calls: ([c() for c in calls], 40.0)[1])
+    monkeypatch.setattr(layer_step, "rotated_copies", lambda kv: [kv])
+    monkeypatch.setattr(timing, "eager_time_us", lambda fn: (fn(), 300.0)[1])
+    g = layer_grid.StepGrid(heads=(1,), batch=(2,), context=(70,), weights=("bf16", "fp8"), kv=("bf16", "fp8_tile"),
+                            layers=2, profile=0, peer=True)
+    emitted = []
+    rows = layer_step.run_step(g, lambda rs: emitted.append(len(rs)), device="cpu")
+    assert emitted == [6] and [(r["weights"], r["kv"], r["layers"], r["provider"]) for r in rows] == [
+        ("bf16", "bf16", 1, "mla"), ("fp8", "bf16", 1, "mla"), ("bf16", "fp8_tile", 1, "mla"),
+        ("fp8", "fp8_tile", 1, "mla"), ("bf16", "bf16", 2, "mla"), ("bf16", "bf16", 1, "transformers")]
+    assert not [r for r in rows if "error" in r or "note" in r]
+    one, two, hf = rows[0], rows[4], rows[5]
+    assert one["rel_err"] == 0.0 and hf["rel_err"] < layer_peer.TOL / 3    # DeepSeek-V3's dims, one head
+    assert (one["eager_us"], one["graph_us"], one["replay_us"], one["kernel_us"]) == (100.0, 100.0, 40.0, 40.0)
+    assert (two["eager_us"], two["replay_us"]) == (50.0, 20.0)            # per layer of the two
+    assert one["floor_us"] == two["floor_us"] == hf["floor_us"] > rows[1]["floor_us"] > 40.0   # FP8 weights: fewer
+    assert one["eager/fl"] == pytest.approx(100.0 / one["floor_us"])
+    assert one["hf/eager"] == 3.0 and two["hf/eager"] == 6.0 and "hf/graph" not in one    # not compiled on CPU
+    out = capsys.readouterr().out
+    assert "transformers 5." in out and out.count("\n   1    2     70 ") == 6
+
+
+def test_layer_step_rows_note_what_did_not_run(capsys):
+    row = dict(H=16, provider="mla")
+
+    def fails(e):
+        def fn():
+            raise e
+        return fn
+    assert layer_step._attempt(row, lambda: (dict(eager_us=1.0), "x")) == (dict(row, eager_us=1.0), "x")
+    got, extra = layer_step._attempt(row, fails(ValueError("num_blocks: 9 blocks need 1 GiB on cuda")))
+    assert got["note"].startswith("skipped: num_blocks:") and extra is None and "error" not in got
+    assert layer_step._attempt(row, fails(torch.OutOfMemoryError("CUDA out of memory")))[0]["note"].startswith(
+        "skipped: out of memory")
+    got, _ = layer_step._attempt(row, fails(ValueError("batch: stale")))
+    assert got["error"] == "ValueError: batch: stale" and "note" not in got
+    assert "Traceback" in capsys.readouterr().err       # an error shows its traceback; a skip does not
+    cfg = mla.MLAConfig.preset("deepseek-v3")
+    x, latents = torch.zeros(128, 1), torch.zeros(128, 16383, 1)
+    hf = layer_step._peer_row((None, None, None), cfg, dict(H=128, B=128, L=16384), x, latents, None, None)
+    assert hf["provider"] == "transformers" and hf["note"].startswith("skipped: a step expands the whole cache")
+
+
+def test_layer_step_profile_falls_back_to_the_eager_step(monkeypatch):
+    seen = {"graph": [dict(kernel="Memcpy DtoD", calls=8.0, us=4.0, share=1.0)],
+            "eager": [dict(kernel="gemm", calls=3.0, us=60.0, share=0.75), dict(kernel="decode", calls=1.0, us=20.0,
+                                                                                 share=0.25)]}
+    monkeypatch.setattr(layer_step, "_profile", lambda fn, steps, top: seen[fn()])
+    lines = layer_step.profile_lines(lambda: "graph", lambda: "eager", "H16 B1", 5, least_us=50.0)
+    assert "the eager step (the profiler did not see inside the graph): 80.0 us" in lines[0]
+    assert lines[2].split() == ["60.0", "75.0%", "3.0", "gemm"] and len(lines) == 4
+    lines = layer_step.profile_lines(lambda: "graph", lambda: "eager", "H16 B1", 5, least_us=6.0)
+    assert "the graphed step: 4.0 us" in lines[0] and lines[2].split() == ["4.0", "100.0%", "8.0", "Memcpy", "DtoD"]

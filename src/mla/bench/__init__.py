@@ -2,7 +2,7 @@
 
     mla bench decode  [options]    absorbed MLA decode over a paged latent cache   (decode.py)
     mla bench prefill [options]    prefill attention and the memory-bound prefill ops (prefill.py)
-    mla bench layer   [options]    the whole layer's context phase                 (layer.py)
+    mla bench layer   [options]    the whole layer: context phase, decode step     (layer.py)
     mla bench sparse  [options]    sparse decode, sparse prefill and the indexer   (sparse.py)
 
 Every benchmark times with ``timing`` (one timer) against the ceilings of ``roofline``, and
