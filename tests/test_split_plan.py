@@ -9,17 +9,19 @@ from mla.ops.decode import split_plan
 
 CASES = [([300, 5, 0, 1, 17, 64], 1), ([300, 5, 0, 1, 17, 64], 3), ([300, 5, 0, 1, 17, 64], 8), ([64] * 5, 4),
          ([0, 0], 2), ([20000] + [700] * 13 + [0, 1, 1, 65], 6), ([3, 20000, 5, 17000, 64], 24), ([1], 7)]
+# lengths the device cannot check (negative, past the table): the plan reads them clamped to 0 .. max_len
+CLAMPED = [([-5, 300, 2**31 - 1, 64], 3, 256), ([-(2**31), -1], 2, 64), ([999, 999], 4, 128)]
 
 
-def _triton_plan(lens, num_splits, chunk, device):
+def _triton_plan(lens, num_splits, chunk, device, max_len=2**30):
     import triton.language as tl
 
     from mla.ops._jit import jit
 
     @jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
         p = tl.program_id(0)
-        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, BN, BLOCK_B)
+        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
         tl.store(OUT + 3 * p, b)
         tl.store(OUT + 3 * p + 1, start)
         tl.store(OUT + 3 * p + 2, end)
@@ -27,7 +29,7 @@ def _triton_plan(lens, num_splits, chunk, device):
     B = len(lens)
     out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device=device)
     info = torch.zeros(B, 2, dtype=torch.int32, device=device)
-    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits,
+    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits, max_len,
                              BN=chunk, BLOCK_B=split_plan.block_b(B))
     return [tuple(r) for r in out.tolist()], info
 
@@ -48,6 +50,14 @@ def test_triton_plan_is_the_host_plan_cpu(lens, num_splits):
     _check_info(want, info, len(lens))
 
 
+@pytest.mark.parametrize("lens,num_splits,max_len", CLAMPED)
+def test_triton_plan_clamps_lengths_cpu(lens, num_splits, max_len):
+    got, info = _triton_plan(lens, num_splits, 16, "cpu", max_len)
+    want = split_plan.plan([min(max(n, 0), max_len) for n in lens], num_splits, 16)
+    assert got == want and all(0 <= s <= e <= max_len for _, s, e in got)
+    _check_info(want, info, len(lens))
+
+
 def test_host_plan_covers_every_key():
     # every sequence's keys are the union of its programs' runs, in order, in whole chunks
     for lens, S in CASES:
@@ -61,15 +71,16 @@ def test_host_plan_covers_every_key():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("lens,num_splits", CASES)
-def test_gluon_plan_is_the_host_plan(lens, num_splits):
+@pytest.mark.parametrize("lens,num_splits,max_len", [(n, s, 2**30) for n, s in CASES] + CLAMPED)
+def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len):
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     @gluon.jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, BLOCK_B: gl.constexpr):
+    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BLOCK_B: gl.constexpr):
         p = gl.program_id(0)
-        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, 64, BLOCK_B)
+        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, max_len, 64,
+                                                                        BLOCK_B)
         gl.store(OUT + 3 * p, b)
         gl.store(OUT + 3 * p + 1, start)
         gl.store(OUT + 3 * p + 2, end)
@@ -77,10 +88,10 @@ def test_gluon_plan_is_the_host_plan(lens, num_splits):
     B = len(lens)
     out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device="cuda")
     info = torch.zeros(B, 2, dtype=torch.int32, device="cuda")
-    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits,
+    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits, max_len,
                              BLOCK_B=split_plan.block_b(B), num_warps=4)
-    want = split_plan.plan(lens, num_splits, 64)
+    want = split_plan.plan([min(max(n, 0), max_len) for n in lens], num_splits, 64)
     assert [tuple(r) for r in out.tolist()] == want
     _check_info(want, info, B)
-    triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda")
+    triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda", max_len)
     assert triton_got == want

@@ -1,7 +1,7 @@
 """Issue 30 on the GPU: strided index tensors give the contiguous call's bits on every decode
 kernel, prefill, append and gather; NaN in an FP8 cache reaches the queries that see it; bad
-values the wrappers cannot check on CUDA (gather block ids and offsets, append slots) never
-read or write out of bounds. Run it plain, then under compute-sanitizer:
+values the wrappers cannot check on CUDA (gather block ids and offsets, append slots, decode
+block ids and lengths) never read or write out of bounds. Run it plain, then under compute-sanitizer:
 
     PYTHONPATH=src python3 tools/hostile_gpu.py
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 tools/hostile_gpu.py --unchecked
@@ -119,6 +119,38 @@ def unchecked():
     torch.cuda.synchronize()
     assert cache.float().flatten(0, 1).abs().sum(-1).nonzero().flatten().tolist() == [5]
     print("ok unchecked gather / append values stay in bounds")
+    # decode: block ids past the pool and negative, lengths negative and past the table, on every
+    # kernel; sequence 0's values are sound, and its answer is the one a batch of it alone gives
+    g = torch.Generator(device=dev).manual_seed(3)
+    table = i32([[0, 1, 2, 3], [2**30, -5, 1, 0], [3, 2**31 - 1, -(2**31), 1]])
+    failed = []
+    lens = i32([200, 10**6, -3])
+    for H, s_q, kv_dtype in [(16, 1, torch.bfloat16), (128, 1, torch.bfloat16), (16, 2, torch.bfloat16),
+                             (16, 1, torch.float8_e4m3fn), (128, 1, torch.float8_e4m3fn)]:
+        q = torch.randn(3, s_q, H, 576, device=dev, generator=g, dtype=torch.bfloat16)
+        kv = torch.randn(4, 64, 576, device=dev, generator=g).to(kv_dtype)
+        for kernel in ("portable", decode.choose_kernel(q, kv, 512, 256)):
+            if kernel == "portable":
+                call = lambda q, t, n: decode.portable.launch(q, kv, t, n, 512, 0.1, True,      # noqa: E731
+                                                              decode.portable.default_config(q, 256))
+            else:
+                call = lambda q, t, n: ops.mla_decode(q, kv, t, n, 512, 0.1)                  # noqa: E731
+            out, lse = call(q, table, lens)
+            clean_out, clean_lse = call(q[:1], table[:1], lens[:1])
+            torch.cuda.synchronize()
+            what = f"unchecked decode values: {kernel} H{H} s_q{s_q} {kv_dtype}"
+            try:
+                # the batch's split plan differs from the clean one's: the same sums in another order
+                torch.testing.assert_close(out[:1].float(), clean_out.float(), rtol=8e-3, atol=1e-3)   # 2 bf16 ulps
+                torch.testing.assert_close(lse[:1], clean_lse, rtol=1e-5, atol=1e-5)
+                assert torch.isfinite(out).all() and not lse[1:].isnan().any(), "non-finite rows"
+            except AssertionError as e:
+                failed.append(what)
+                print("FAIL", what, str(e).splitlines()[0])
+                continue
+            print("ok", what)
+    if failed:
+        raise SystemExit(f"{len(failed)} failed: {failed}")
 
 
 if __name__ == "__main__":

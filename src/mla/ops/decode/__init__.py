@@ -40,6 +40,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     their programs are placed as the kernel before them drains); False keeps plain stream order.
     """
     max_len = block_table.shape[1] * kv_cache.shape[1]
+    if kv_cache.shape[0] == 0:
+        # an empty pool holds no keys: every row is empty (a length past 0 is the caller's error,
+        # and no kernel may read a row of a tensor that has none)
+        B, s_q, H, _ = q.shape
+        return (q.new_zeros(B, s_q, H, head_dim_v),
+                torch.full((B, s_q, H), float("-inf"), dtype=torch.float32, device=q.device))
     kernel = choose_kernel(q, kv_cache, head_dim_v, max_len)
     if kernel == "portable":
         return portable.launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,

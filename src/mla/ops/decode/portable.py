@@ -18,7 +18,9 @@ Schedule (the split count from shapes only, so a step can be captured in a CUDA 
 
 Masking: loads past a sequence's end are masked with ``other=0`` (never dereferenced:
 NaN in unused blocks or tail slots cannot leak), invisible scores are set to -inf
-with ``tl.where``; an empty row gives out = 0, lse = -inf.
+with ``tl.where``; an empty row gives out = 0, lse = -inf. Values the op cannot check on
+the device without a sync stay in bounds: block ids are clamped to the pool, lengths to the
+table's capacity (a wrong value reads a wrong row, never outside the tensors).
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, B, DV, DR, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, DV, DR, block_size, num_blocks, max_len, num_splits, qk_scale, v_scale,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr, KEEP_NAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -100,7 +102,7 @@ def _decode_split_kernel(
     q_row = Q + qi * stride_qi + h * stride_qh
     q_nope, q_pe = _query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
-    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, BLOCK_N, BLOCK_B)
+    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
     if b != guess:      # mixed lengths
         q_nope, q_pe = _query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
@@ -120,10 +122,10 @@ def _decode_split_kernel(
         n = start_n + tl.arange(0, BLOCK_N)
         n_ok = n < end
         if PAGE_TILE:  # the tile lies inside one page: one block-table read, rows evenly strided
-            blk = tl.load(bt_row + start_n // block_size).to(tl.int64)
+            blk = tl.minimum(tl.maximum(tl.load(bt_row + start_n // block_size), 0), num_blocks - 1).to(tl.int64)
             kv_row = KV + blk * stride_kv_blk + (start_n % block_size + tl.arange(0, BLOCK_N)) * stride_kv_row
         else:
-            blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0)
+            blk = tl.minimum(tl.maximum(tl.load(bt_row + n // block_size, mask=n_ok, other=0), 0), num_blocks - 1)
             kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
         if KV_FMT == 2:   # FP8 tile rows (bytes): [c_kv e4m3 | DV/128 float32 scales | k_pe bf16]
             c8 = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0)
@@ -223,7 +225,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             block_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            H, s_q, B, dv, dr, kv_cache.shape[1], S,
+            H, s_q, B, dv, dr, kv_cache.shape[1], kv_cache.shape[0], block_table.shape[1] * kv_cache.shape[1], S,
             softmax_scale * LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
             CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt, KEEP_NAN=fmt != 0 and q.device.type == "cpu",
             PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,

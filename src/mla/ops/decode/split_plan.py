@@ -33,13 +33,14 @@ __all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b",
 
 
 @jit
-def planned_split(SEQLENS, INFO, B, p, num_splits, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+def planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p's share of the batch's keys in whole BN-key chunks: the plan (module docstring)
     in Triton, for the portable kernel. INFO[b] = (first program, count), for ``combine``.
-    Returns (b, seqlen, start, end)."""
+    Lengths are read clamped to 0 .. max_len (the table's capacity). Returns (b, seqlen, start,
+    end)."""
     i = tl.arange(0, BLOCK_B)
     ok = i < B
-    lens = tl.load(SEQLENS + i, mask=ok, other=0)
+    lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
     if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
         # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
         b = p // num_splits
@@ -100,7 +101,7 @@ def _plan_layout(BLOCK_B):
 
 
 @gluon.jit
-def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK_B: gl.constexpr):
+def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, max_len, BN: gl.constexpr, BLOCK_B: gl.constexpr):
     """Program p's share of the batch's keys: the plan (module docstring) in Gluon, for the
     Hopper kernels, in 64-key chunks; the program's keys [start, end) are n_tiles tiles of BN
     keys. INFO[b] = (first, count), b's slots, for ``combine`` (written by b's first program).
@@ -110,11 +111,12 @@ def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, BN: gl.constexpr, BLOCK
     otherwise each lane works out its own sequence's slots (a round of sums for each step of
     the search, then a scan), and one round of sums picks program p's sequence and its
     numbers (a reduction per quantity, or int64 divisions in every lane, cost 1-2 us a
-    launch). Counts in int32 (``planned_results`` checks the range), runs in int64. Returns
+    launch). Counts in int32 (``planned_results`` checks the range), runs in int64. Lengths are
+    read clamped to 0 .. max_len (the table's capacity), as in ``planned_split``. Returns
     (b, seqlen, start, end, n_tiles)."""
     i = gl.arange(0, BLOCK_B, layout=_plan_layout(BLOCK_B))
     ok = i < B
-    lens = gl.load(SEQLENS + i, mask=ok, other=0)
+    lens = gl.minimum(gl.maximum(gl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
     if gl.min(gl.where(ok, lens, 2147483647), axis=0) == gl.max(lens, axis=0):
         # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
         b = p // num_splits

@@ -393,7 +393,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
 def _fp8_kernel(
     Q, kv_desc, pe_desc, sc_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
-    stride_bt,
+    stride_bt, bt_width,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
@@ -417,7 +417,7 @@ def _fp8_kernel(
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the query, the lengths, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p,
                                                                        num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
                                                                        stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
@@ -497,7 +497,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         _fp8_kernel[(S * B * groups,)](
             q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
             q.stride(0), q.stride(1), q.stride(2),
-            block_table.stride(0),
+            block_table.stride(0), block_table.shape[1],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
             H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,

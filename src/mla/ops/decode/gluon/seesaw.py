@@ -363,7 +363,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
 def _seesaw_kernel(
     Q, kv_desc, pe_desc, sc_desc, o_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
-    stride_bt,
+    stride_bt, bt_width,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
@@ -430,7 +430,7 @@ def _seesaw_kernel(
     # the barriers above read no memory: under a dependent launch they are set up while the
     # kernel before drains
     wait_prerequisites()
-    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, block_size, B, p,
+    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p,
                                                                    num_splits, BN, BLOCK_B)
 
     ml = pid_m * 64
@@ -504,7 +504,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         _seesaw_kernel[(triton.cdiv(rows, BLOCK_M), S * B)](
             q, kv_desc, pe_desc, sc_desc, o_desc, block_table, cache_seqlens, o_part, l_part, info,
             q.stride(0), q.stride(1), q.stride(2),
-            block_table.stride(0),
+            block_table.stride(0), block_table.shape[1],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
             H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
