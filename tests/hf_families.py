@@ -68,6 +68,7 @@ class Case:
     layer_idx: int = 0
     prefix: str = "model.layers.0.self_attn."
     needs_position_ids: bool = False  # Mistral 4's query temperature reads position_ids
+    padding_mask: bool = False        # the module takes a [B, S] bool padding mask (GLM-5.3-Flash's indexer)
 
     def make_config(self, **more):
         """The tiny transformers config: _BASE, then the case's overrides, then ``more``."""
@@ -174,6 +175,30 @@ SPARSE = {
 }
 
 
+# GLM-5.3-Flash: MLA without RoPE (qk_rope_head_dim 0), both latent norms at rms_norm_eps (1e-5), the
+# k-pool indexer: pools of 4 tokens, index_topk 8 (two pools, plus the open pool's up to 3 tokens: 11
+# keys at most); 3 heads, v_head_dim != qk_nope_head_dim. Layer 0 is linear attention, 1 and 2 MLA, 2
+# reusing 1's top-k.
+KPOOL = {
+    "glm5_next_text": Case("glm5_next_text", "glm5_next", "Glm5NextTextConfig", "Glm5NextTextAttention", None,
+                           dict(qk_rope_head_dim=0, head_dim=0, num_attention_heads=3, v_head_dim=24,
+                                rms_norm_eps=1e-5, index_topk=8, index_kpool=4, index_n_heads=8, index_head_dim=16,
+                                n_routed_experts=4, num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4,
+                                num_hidden_layers=3,
+                                layer_types=["linear_attention", "deepseek_sparse_attention",
+                                             "deepseek_sparse_attention"],
+                                indexer_types=["full", "full", "shared"]),
+                           layer_idx=1, prefix="model.layers.1.self_attn.", padding_mask=True),
+}
+
+
+def find_case(name: str) -> Case:
+    for table in (EXACT, SPARSE, KPOOL):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
+
+
 def attention_class(case: Case):
     return _cls(case.module, case.attention_cls)
 
@@ -203,20 +228,65 @@ def state_dict(attn, prefix: str, dtype=None) -> dict:
 
 
 @torch.no_grad()
-def reference(case: Case, attn, rotary, hidden: torch.Tensor) -> torch.Tensor:
-    """The family's module over one whole sequence (batch 1, causal): hidden [n, D] -> [n, D]."""
+def run_module(case: Case, attn, rotary, hidden: torch.Tensor, **extra):
+    """The family's module over one whole sequence (batch 1, causal): hidden [n, D] -> its
+    outputs (the attention output [1, n, D] first; the sparse families' top-k last), ``extra``
+    passed on (a shared layer's ``prev_topk_indices``)."""
     n = hidden.shape[0]
     dtype = next(attn.parameters()).dtype
     x = hidden.unsqueeze(0).to(dtype)
     pos = torch.arange(n).view(1, n)
     mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype).triu(1).view(1, 1, n, n)
-    kw: dict[str, Any] = {"attention_mask": mask}
+    if case.padding_mask:      # its indexer builds the (sparse, causal) mask from this one
+        mask = torch.ones(1, n, dtype=torch.bool)
+    kw: dict[str, Any] = {"attention_mask": mask, **extra}
     if rotary is not None:
         kw["position_embeddings"] = rotary(x, pos)
     if case.needs_position_ids:
         kw["position_ids"] = pos
-    out = attn(x, **kw)[0]     # GLM-5's module also returns its top-k
-    return out[0]
+    return attn(x, **kw)
+
+
+def reference(case: Case, attn, rotary, hidden: torch.Tensor) -> torch.Tensor:
+    """The family's module over one whole sequence (batch 1, causal): hidden [n, D] -> [n, D]."""
+    return run_module(case, attn, rotary, hidden)[0][0]
+
+
+@torch.no_grad()
+def check_shared_layer(case_name: str, hf_cfg, layers=(0, 1), seed: int = 10, steps=(30, 1, 3)) -> None:
+    """A "shared" indexer layer (GLM-5's indexer_types): ``layers`` = (a layer with its own
+    indexer, the shared layer after it) of one model on one batch a step, against the family's
+    two modules, the second fed the first's top-k (prev_topk_indices); each float32 within
+    FP32_TOL of the float64 modules. Before the first runs, the second refuses the batch."""
+    case = find_case(case_name)
+    cfg = mla.MLAConfig.from_hf(hf_cfg)
+    assert cfg.index_shared_layers == (layers[1],) and cfg.index_source_layer(layers[1]) == layers[0]
+    mods, ours = [], []
+    for i in layers:
+        attn, rotary = make_attention(Case(**{**case.__dict__, "layer_idx": i}), hf_cfg, seed=seed + i)
+        prefix = f"model.layers.{i}.self_attn."
+        layer = mla.MLA(cfg, layer_idx=i, dtype=torch.float32, backend="torch")
+        layer.load_hf_state_dict(state_dict(attn, prefix), prefix=prefix)
+        mods.append(attn.double())
+        ours.append(layer)
+    assert isinstance(mods[1], attention_class(case)) and mods[1].indexer is None and not ours[1].has_own_indexer
+    cache = mla.PagedLatentCache(cfg, num_layers=layers[1] + 1, num_blocks=32, block_size=4, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    hist = torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
+    for n in steps:
+        x = torch.randn(n, cfg.hidden_size, generator=g)
+        batch = cache.prepare([(0, n)])
+        try:
+            ours[1](x, batch)
+            raise AssertionError("the shared layer ran before the layer whose top-k it reuses")
+        except ValueError as e:
+            assert f"run layer {layers[0]}" in str(e)
+        outs = [ours[0](x, batch), ours[1](x, batch)]
+        hist = torch.cat([hist, x.double()])
+        o0, _, topk = run_module(case, mods[0], rotary, hist)
+        o1 = run_module(case, mods[1], rotary, hist, prev_topk_indices=topk)[0]
+        for o, ref in zip(outs, (o0, o1)):
+            assert rel_err(o, ref[0, -n:]) <= FP32_TOL
 
 
 def config_source(hf_config, source: str):
@@ -248,7 +318,7 @@ class FamilyHarness:
 
     def __init__(self, case_name: str, dtype=torch.float32, *, block_size=4, num_blocks=64, seed=0,
                  source="object", max_workspace_tokens=None, config_overrides=None, strategy=None):
-        self.case = case = EXACT[case_name] if case_name in EXACT else SPARSE[case_name]
+        self.case = case = find_case(case_name)
         self.hf_cfg = case.make_config(**(config_overrides or {}))
         self.cfg = mla.MLAConfig.from_hf(config_source(self.hf_cfg, source))
         self.dtype = dtype
@@ -332,11 +402,6 @@ class FamilyHarness:
 # NotImplementedError message must name at least one, besides the model_type).
 
 REFUSED = {
-    "glm5_next_text": ("glm5_next", "Glm5NextTextConfig",
-                       dict(_BASE, num_key_value_heads=4, qk_rope_head_dim=0, head_dim=0, qk_nope_head_dim=16,
-                            index_topk=32, index_head_dim=16, index_n_heads=2, n_routed_experts=4,
-                            num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4),
-                       ("index", "qk_rope_head_dim", "linear")),
     "deepseek_v4": ("deepseek_v4", "DeepseekV4Config",
                     dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=24,
                          num_hidden_layers=2, vocab_size=32, n_routed_experts=4, num_experts_per_tok=2,
@@ -345,14 +410,8 @@ REFUSED = {
 }
 
 
-# GLM-5.3-Flash as published: the multimodal Glm5NextConfig with the MLA model in text_config.
-REFUSED["glm5_next"] = ("glm5_next", "Glm5NextConfig", None, REFUSED["glm5_next_text"][3])
-
-
 def make_refused_config(name: str, minimal: bool = False):
     """A tiny config of a refused family (``minimal``: the class defaults, nothing overridden)."""
     module, cls_name, overrides, _ = REFUSED[name]
     cls = _cls(module, cls_name)
-    if name == "glm5_next":
-        return cls() if minimal else cls(text_config=dict(REFUSED["glm5_next_text"][2]))
     return cls() if minimal else cls(**overrides)

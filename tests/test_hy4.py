@@ -180,34 +180,7 @@ def test_bf16_within_the_modules_own_error():
 def test_shared_indexer_layer():
     """Layer 1 of indexer_types ["full", "shared"] attends with layer 0's top-k, as the module does
     when fed the previous layer's prev_topk_indices."""
-    hf_cfg = CASE.make_config(indexer_types=["full", "shared"])
-    cfg = mla.MLAConfig.from_hf(hf_cfg)
-    assert cfg.index_shared_layers == (1,)
-    mods, layers = [], []
-    for i in range(2):
-        attn, rotary = F.make_attention(F.Case(**{**CASE.__dict__, "layer_idx": i}), hf_cfg, seed=20 + i)
-        prefix = f"model.layers.{i}.self_attn."
-        layer = mla.MLA(cfg, layer_idx=i, dtype=torch.float32, backend="torch")
-        layer.load_hf_state_dict(F.state_dict(attn, prefix), prefix=prefix)
-        mods.append(attn.double())
-        layers.append(layer)
-    assert mods[1].indexer is None
-    cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=32, block_size=4, dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    hist = torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
-    for n in (30, 1, 3):
-        x = torch.randn(n, cfg.hidden_size, generator=g)
-        batch = cache.prepare([(0, n)])
-        ours = [layers[0](x, batch), layers[1](x, batch)]
-        hist = torch.cat([hist, x.double()])
-        L = hist.shape[0]
-        pos = torch.arange(L)[None]
-        mask = torch.full((L, L), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1).view(1, 1, L, L)
-        cs = rotary(hist[None], pos)
-        o0, _, topk = mods[0](hist[None], position_embeddings=cs, attention_mask=mask)
-        o1, _, _ = mods[1](hist[None], position_embeddings=cs, attention_mask=mask, prev_topk_indices=topk)
-        for o, ref in zip(ours, (o0, o1)):
-            assert rel_err(o.double(), ref[0, -n:]) <= FP32_TOL
+    F.check_shared_layer("hy_v4", CASE.make_config(indexer_types=["full", "shared"]), seed=20)
 
 
 def _tp_worker(rank, world, port, results):

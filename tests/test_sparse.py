@@ -436,37 +436,7 @@ def test_glm_shared_layer():
     """GLM-5: layer 1 reuses layer 0's top-k (indexer_types ["full", "shared"]): two layers on one
     batch against the two modules, the second fed the first's top-k."""
     c = F.SPARSE["glm_moe_dsa"]
-    hf_cfg = c.make_config(indexer_types=["full", "shared"])
-    cfg = mla.MLAConfig.from_hf(hf_cfg)
-    assert cfg.index_shared_layers == (1,)
-    cls = F.attention_class(c)
-    mods, layers = [], []
-    for i in range(2):
-        attn, rotary = F.make_attention(F.Case(**{**c.__dict__, "layer_idx": i}), hf_cfg, seed=10 + i)
-        prefix = f"model.layers.{i}.self_attn."
-        layer = mla.MLA(cfg, layer_idx=i, dtype=torch.float32, backend="torch")
-        layer.load_hf_state_dict(F.state_dict(attn, prefix), prefix=prefix)
-        mods.append(attn.double())
-        layers.append(layer)
-    assert isinstance(mods[1], cls) and mods[1].indexer is None
-    cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=32, block_size=4, dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    hist = torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
-    for n in (30, 1, 3):
-        x = torch.randn(n, cfg.hidden_size, generator=g)
-        batch = cache.prepare([(0, n)])
-        with pytest.raises(ValueError, match="run layer 0"):
-            layers[1](x, batch)
-        ours = [layers[0](x, batch), layers[1](x, batch)]
-        hist = torch.cat([hist, x.double()])
-        L = hist.shape[0]
-        pos = torch.arange(L)[None]
-        mask = torch.full((L, L), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1).view(1, 1, L, L)
-        cs = rotary(hist[None], pos)
-        o0, _, topk = mods[0](hist[None], position_embeddings=cs, attention_mask=mask)
-        o1, _, _ = mods[1](hist[None], position_embeddings=cs, attention_mask=mask, prev_topk_indices=topk)
-        assert rel_err(ours[0], o0[0, -n:]) <= FP32_TOL
-        assert rel_err(ours[1], o1[0, -n:]) <= FP32_TOL
+    F.check_shared_layer("glm_moe_dsa", c.make_config(indexer_types=["full", "shared"]), seed=10)
 
 
 def test_sparse_layer_on_the_kernels_and_its_chunks():

@@ -1,11 +1,12 @@
 """PagedLatentCache: one preallocated tensor of latent rows, block bookkeeping in plain Python.
 
 Each token keeps one row [c_kv | rope(k_pe)] of kv_lora_rank + qk_rope_head_dim values
-per layer. Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns
+per layer (c_kv alone where qk_rope_head_dim is 0). Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns
 an ordered list of blocks. With a sparse indexer (DeepSeek Sparse Attention) each token also
-keeps the indexer's key, ``index_kv [num_layers, num_blocks, block_size, index_head_dim]``,
-at the same block and offset as its latent row: the bookkeeping below (fork, truncate,
-copy-on-write, release) moves block ids, so it carries both. Blocks carry reference counts:
+keeps the indexer's row, ``index_kv [num_layers, num_blocks, block_size, cfg.index_row_dim]``
+(its key, or the k-pool indexer's [k | gate]), at the same block and offset as its latent
+row: the bookkeeping below (fork, truncate, copy-on-write, release) moves block ids, so it
+carries both. Blocks carry reference counts:
 ``fork`` shares every block of the source, and the first write into a shared, partly filled
 block copies it first (copy-on-write), so full shared blocks are never copied.
 
@@ -82,6 +83,9 @@ class PagedLatentCache:
                 raise ValueError(f"index_format: expected None or one of {quant.INDEX_FORMATS}, got {index_format!r}")
             if not cfg.has_indexer:
                 raise ValueError(f"index_format: {cfg.name!r} has no sparse indexer (index_topk), expected None")
+            if cfg.index_kpool is not None:
+                raise ValueError(f"index_format: {cfg.name!r} has the k-pool indexer, whose rows [k | gate] stay in a "
+                                 "float dtype (FP8 index keys are DeepSeek's indexer's); expected None")
             if d & (d - 1):
                 raise ValueError(f"index_format: the FP8 indexer keys are Hadamard-rotated, which needs "
                                  f"index_head_dim a power of two, got {d}")
@@ -104,7 +108,7 @@ class PagedLatentCache:
         self.index_dtype = torch.uint8 if index_format else dtype if self.format == "plain" else torch.bfloat16
         self.index_kv = None if not cfg.has_indexer else _allocate(
             (num_layers, num_blocks, block_size,
-             quant.index_width(cfg.index_head_dim) if index_format else cfg.index_head_dim),
+             quant.index_width(cfg.index_head_dim) if index_format else cfg.index_row_dim),
             self.index_dtype, self.device)
         self.device = self.kv.device    # "cuda" -> "cuda:0": compared with the layer's device
         self._free: deque[int] = deque(range(num_blocks))
@@ -129,7 +133,8 @@ class PagedLatentCache:
 
     def index_keys(self, layer_idx: int) -> torch.Tensor:
         """The indexer's keys of one layer: [num_blocks, block_size, index_head_dim] (uint8 rows of
-        ``quant.index_width`` bytes with an FP8 ``index_format``), slot for slot beside
+        ``quant.index_width`` bytes with an FP8 ``index_format``; the k-pool indexer's rows
+        [k | gate], 2 * index_head_dim), slot for slot beside
         ``layer(layer_idx)``'s latent rows (a config with a sparse indexer only)."""
         if self.index_kv is None:
             raise ValueError(f"layer_idx: the cache of {self.cfg.name!r} has no indexer keys (its config has no "

@@ -5,8 +5,8 @@ models), kv_lora_rank r, qk_nope_head_dim dn, qk_rope_head_dim dr, v_head_dim dv
 
 ``from_hf`` reads every MLA family transformers ships (``families.py`` knows how). What a
 family's attention does beyond DeepSeek-V3's is either a field here (RoPE pairing and type, a
-query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer, Hy4's
-attention sinks and output gate) or
+query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer (DeepSeek's,
+or GLM-5.3-Flash's k-pool indexer), Hy4's attention sinks and output gate) or
 refused with ``NotImplementedError`` naming the feature and the ``model_type``.
 """
 from __future__ import annotations
@@ -117,6 +117,13 @@ class MLAConfig:
     # Hy4's indexer rotates the *last* qk_rope_head_dim values of its head (DeepSeek-V3.2 and
     # GLM-5 the first)
     index_rope_last: bool = False
+    # GLM-5.3-Flash's k-pool indexer (mla.kpool), no RoPE in it: the cache keeps per token the
+    # index row [k | gate] (gate = x @ index_kpool_compress_gate^T); pools of index_kpool
+    # consecutive tokens (from the sequence's first) are scored by their pooled key
+    # sum_i softmax_i(gate_i + index_kpool_compress_ape_i) * k_i, each query keeps the
+    # index_topk / index_kpool best complete pools it sees and the tokens of its open pool.
+    # None: DeepSeek's indexer (a score per key).
+    index_kpool: int | None = None
     # Attention sinks (Hy4): one learnable logit per head (checkpoint tensor ``sinks`` [H]) in the
     # softmax's denominator, FlashMLA's attn_sink. Only the sparse ops take a sink, so a config
     # with sinks needs a sparse indexer and every sequence takes the sparse path (up to
@@ -186,6 +193,9 @@ class MLAConfig:
 
     def _check_indexer(self) -> None:
         if self.index_topk is None:
+            if self.index_kpool is not None:
+                raise ValueError(f"index_kpool: expected None without a sparse indexer (index_topk), got "
+                                 f"{self.index_kpool!r}")
             return
         for f in ("index_topk", "index_n_heads", "index_head_dim"):
             v = getattr(self, f)
@@ -193,7 +203,7 @@ class MLAConfig:
                 raise ValueError(f"{f}: expected a positive int with index_topk set, got {v!r}")
         if self.q_lora_rank is None:
             raise ValueError("index_topk: the sparse indexer reads the normed q latent: expected a q_lora_rank")
-        if self.index_head_dim < self.qk_rope_head_dim:
+        if self.index_kpool is None and self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim: expected >= qk_rope_head_dim ({self.qk_rope_head_dim}: its RoPE part), "
                              f"got {self.index_head_dim}")
         if not isinstance(self.index_rope_interleave, bool):
@@ -208,11 +218,35 @@ class MLAConfig:
         if not isinstance(s, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in s):
             raise ValueError(f"index_shared_layers: expected a tuple of layer indices > 0 (layer 0 runs its "
                              f"indexer), got {s!r}")
+        P = self.index_kpool
+        if P is not None and (not isinstance(P, int) or isinstance(P, bool) or P <= 0 or self.index_topk % P):
+            raise ValueError(f"index_kpool: expected None or a positive int dividing index_topk ({self.index_topk}: "
+                             f"whole pools are selected), got {P!r}")
 
     @property
     def has_indexer(self) -> bool:
         """Whether the attention is sparse (DeepSeek Sparse Attention)."""
         return self.index_topk is not None
+
+    @property
+    def index_row_dim(self) -> int:
+        """Values the cache keeps per token for the indexer: its key (index_head_dim), or the
+        k-pool indexer's row [k | gate] (2 * index_head_dim)."""
+        return self.index_head_dim * (1 if self.index_kpool is None else 2)
+
+    @property
+    def sparse_max_keys(self) -> int:
+        """The most keys a sparse query attends to: index_topk, or with the k-pool indexer its
+        index_topk / index_kpool pools and up to index_kpool - 1 tokens of its open pool. A
+        query that sees at most this many keys attends to all of them (with k-pool: all its
+        complete pools are selected and the rest is its open pool), so up to this length the
+        dense paths give the sparse path's result."""
+        return self.index_topk + (0 if self.index_kpool is None else self.index_kpool - 1)
+
+    def index_logits_width(self, num_keys: int) -> int:
+        """Columns of the indexer's logits over a sequence of num_keys keys: one a key, or with
+        the k-pool indexer one a complete pool."""
+        return num_keys if self.index_kpool is None else num_keys // self.index_kpool
 
     @property
     def index_softmax_scale(self) -> float:

@@ -1,7 +1,7 @@
 """What each MLA family's transformers config says beyond DeepSeek-V3's, and how
 ``MLAConfig.from_hf`` reads it: RoPE pairing and type, a query temperature, LongCat's latent
-scales, the layers that are MLA, the sparse indexer, Hy4's sinks and output gate, A.X-K2's
-fused q and gate projection; and what the library refuses, by name (``NotImplementedError``
+scales, the layers that are MLA, the sparse indexer (DeepSeek's, or GLM-5.3-Flash's k-pool
+indexer), Hy4's sinks and output gate, A.X-K2's fused q and gate projection; and what the library refuses, by name (``NotImplementedError``
 naming the feature and the ``model_type``): a config key that changes the attention is never
 ignored.
 """
@@ -30,14 +30,18 @@ def config_fields(hf_config: Any) -> dict:
     model_type = str(c.get("model_type") or "unknown")
     if model_type in REFUSED:
         raise NotImplementedError(f"model_type {model_type!r}: mla does not implement {REFUSED[model_type]}")
+    family = FAMILIES.get(model_type, {})
+    for key, v in family.get("defaults", {}).items():   # what the family's config class supplies
+        c.setdefault(key, v)
     missing = [k for k in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                            "qk_rope_head_dim", "v_head_dim") if c.get(k) is None]
     if missing:
         raise ValueError(f"hf_config: expected MLA fields {missing} (an MLA family's config), "
                          f"got model_type {model_type!r} without them")
-    family = FAMILIES.get(model_type, {})
-    _refuse_unimplemented(c, model_type, (_INDEXER_KEYS if family.get("indexer") else ())
-                          + (("learnable_sink_init",) if family.get("sinks") else ()))
+    indexer = family.get("indexer")
+    read = (_INDEXER_KEYS if indexer else ()) + (("index_kpool",) if indexer == "kpool" else ()) \
+        + (("learnable_sink_init",) if family.get("sinks") else ())
+    _refuse_unimplemented(c, model_type, read)
     rope = _rope_parameters(c)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
@@ -58,11 +62,15 @@ def config_fields(hf_config: Any) -> dict:
         raise ValueError(f"rope_interleave: expected a bool, got {interleave!r}")
     interleave = family.get("interleave", True if interleave is None else bool(interleave))
     scales = {}
+    if family.get("latent_norm_eps"):   # both latent RMSNorms take the config's eps
+        eps = _number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
+        scales.update(q_norm_eps=eps, kv_norm_eps=eps)
     if family.get("latent_scales"):
         if c.get("q_lora_rank") is None:
             raise NotImplementedError(f"model_type {model_type!r}: latent scales without q_lora_rank")
-        scales = dict(q_lora_scale=(c["hidden_size"] / c["q_lora_rank"]) ** 0.5,
+        scales.update(q_lora_scale=(c["hidden_size"] / c["q_lora_rank"]) ** 0.5,
                       kv_lora_scale=(c["hidden_size"] / c["kv_lora_rank"]) ** 0.5)
+    mla_layers = _mla_layers(c, model_type, family)
     return dict(
         hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
         kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
@@ -71,8 +79,8 @@ def config_fields(hf_config: Any) -> dict:
         rope_scaling=scaling, rope_type="none" if rope_type == "none" else None, rope_interleave=interleave,
         attention_bias=_flag("attention_bias", c.get("attention_bias", False)),
         temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
-        mla_layers=_mla_layers(c, model_type, family.get("kimi_layers", False), bool(family.get("indexer"))),
-        **scales, **(_indexer(c, model_type, family["indexer"]) if family.get("indexer") else {}),
+        mla_layers=mla_layers,
+        **scales, **(_indexer(c, model_type, indexer, mla_layers) if indexer else {}),
         **_gate_fields(c, family),
         name=str(c.get("_name_or_path") or model_type))
 
@@ -83,6 +91,8 @@ def config_fields(hf_config: Any) -> dict:
 # rope_interleave (default True). nope: no RoPE at all. latent_scales: LongCat's sqrt(D / rank).
 # temperature: the module applies rope_parameters' llama_4_scaling_beta (the others ignore it).
 # kimi_layers: Kimi Linear's layer list (layer_types, else linear_attn_config, else its default).
+# latent_norm_eps: both latent RMSNorms take rms_norm_eps (others: 1e-6). defaults: what the
+# family's transformers config class supplies for a key a config.json may leave out.
 FAMILIES: dict[str, dict] = {
     "deepseek_v3": {}, "kimi_k2": {}, "axk1": {}, "youtu": {}, "glm4_moe_lite": {},
     "mistral4": {"temperature": True},
@@ -100,17 +110,20 @@ FAMILIES: dict[str, dict] = {
     # A.X-K2: DeepSeek-V3.2's attention and indexer, except q: no q_b_proj but a q_gate_proj over
     # cat(q_a_norm(q_a), q_a) whose per-head gate half gates the output by sigmoid
     "axk2": {"interleave": True, "indexer": "neox", "gate": "sigmoid", "q_gate_fused": True},
+    # GLM-5.3-Flash (mla.kpool): no RoPE anywhere (qk_rope_head_dim 0), the k-pool indexer, MLA in
+    # its "deepseek_sparse_attention" layers (linear attention in the others, every fourth layer
+    # MLA by default); a "shared" layer reuses the top-k of the layer right before it, which must
+    # be a "full" MLA layer (transformers hands a top-k to the next decoder layer only)
+    "glm5_next_text": {"nope": True, "indexer": "kpool", "latent_norm_eps": True, "every_fourth_layer": True,
+                       "defaults": {"qk_rope_head_dim": 0, "rms_norm_eps": 1e-5, "index_topk": 2048,
+                                    "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 16,
+                                    "index_kpool_always_select_tail": True, "num_hidden_layers": 45,
+                                    "max_position_embeddings": 1048576}},
 }
+FAMILIES["glm5_next"] = FAMILIES["glm5_next_text"]     # a text-only config.json at the top level
 
 # model_type -> the attention feature the library does not implement (NotImplementedError)
 REFUSED: dict[str, str] = {
-    # GLM-5.3-Flash's indexer is not GLM-5's: it scores gated pools of index_kpool keys (softmax of
-    # index_kpool_compress_gate(x) + _ape over each pool), keeps index_topk / index_kpool pools and
-    # appends the open tail pool's tokens; its index row is (k, gate) and it has no RoPE at all
-    "glm5_next": "the k-pool sparse indexer (index_kpool), qk_rope_head_dim 0 (a latent-only cache row) and "
-                 "linear-attention layers",
-    "glm5_next_text": "the k-pool sparse indexer (index_kpool), qk_rope_head_dim 0 (a latent-only cache row) and "
-                      "linear-attention layers",
     "deepseek_v4": "DeepSeek-V4's attention (one 512-wide KV head with compressed and sliding-window "
                    "layers: not MLA)",
 }
@@ -120,6 +133,7 @@ _UNIMPLEMENTED_KEYS = {
     "index_topk": "the sparse indexer (index_topk)",
     "index_n_heads": "the sparse indexer (index_n_heads)",
     "indexer_types": "the sparse indexer (indexer_types)",
+    "index_kpool": "the k-pool sparse indexer (index_kpool)",
     "learnable_sink_init": "attention sinks (learnable_sink_init)",
     "attention_sinks": "attention sinks",
     "gated_attention": "an output gate (gated_attention)",
@@ -207,9 +221,10 @@ def _temperature(c: dict, rope: dict) -> tuple[float | None, float]:
             _number("llama_4_scaling.beta", llama4.get("beta", 0.1)))
 
 
-def _indexer(c: dict, model_type: str, pairing: str) -> dict:
-    """The indexer fields of a DeepSeek Sparse Attention family. GLM-5's indexer_types marks
-    the layers that reuse an earlier layer's top-k ("shared") instead of running their own."""
+def _indexer(c: dict, model_type: str, kind: str, mla_layers: tuple[int, ...] | None) -> dict:
+    """The indexer fields of a sparse family; ``kind``: its RoPE pairing ("neox", "interleave"),
+    or "kpool" (GLM-5.3-Flash's k-pool indexer, no RoPE). GLM-5's indexer_types marks the layers
+    that reuse an earlier layer's top-k ("shared") instead of running their own."""
     out = {}
     for key in ("index_topk", "index_n_heads", "index_head_dim"):
         v = c.get(key)
@@ -218,16 +233,67 @@ def _indexer(c: dict, model_type: str, pairing: str) -> dict:
         out[key] = v
     if c.get("q_lora_rank") is None:
         raise NotImplementedError(f"q_lora_rank: a sparse indexer without a q latent (model_type {model_type!r})")
-    types = c.get("indexer_types")
+    if kind == "kpool":
+        out.update(_kpool(c, model_type, out["index_topk"]))
+    types = _indexer_types(c) if kind == "kpool" else c.get("indexer_types")
     shared: tuple[int, ...] = ()
     if types is not None:
         if not isinstance(types, (list, tuple)) or not all(t in ("full", "shared") for t in types):
             raise ValueError(f"indexer_types: expected a list of 'full' and 'shared', got {types!r}"[:200])
-        if types and types[0] != "full":
-            raise ValueError("indexer_types: expected layer 0 to be 'full' (a shared layer reuses an earlier "
-                             f"layer's top-k), got {types[0]!r}")
-        shared = tuple(i for i, t in enumerate(types) if t == "shared")
-    return dict(out, index_rope_interleave=pairing == "interleave", index_shared_layers=shared)
+        if kind == "kpool":
+            shared = _shared_after_full(types, mla_layers, model_type)
+        else:
+            if types and types[0] != "full":
+                raise ValueError("indexer_types: expected layer 0 to be 'full' (a shared layer reuses an earlier "
+                                 f"layer's top-k), got {types[0]!r}")
+            shared = tuple(i for i, t in enumerate(types) if t == "shared")
+    return dict(out, index_rope_interleave=kind == "interleave", index_shared_layers=shared)
+
+
+def _kpool(c: dict, model_type: str, topk: int) -> dict:
+    """GLM-5.3-Flash's pool size; its open pool's tokens are always selected (a query then always
+    sees itself): without them a query before its first complete pool sees no key, where
+    transformers averages every key of the cache, and mla refuses that."""
+    P = c.get("index_kpool")
+    if not isinstance(P, int) or isinstance(P, bool) or P <= 0 or topk % P:
+        raise ValueError(f"index_kpool: expected a positive int dividing index_topk ({topk}), got {P!r}"[:200])
+    if P > 1 and not _flag("index_kpool_always_select_tail", c.get("index_kpool_always_select_tail", True)):
+        raise NotImplementedError(f"index_kpool_always_select_tail: mla does not implement the k-pool indexer without "
+                                  f"its open pool's tokens (model_type {model_type!r}; queries before a complete pool "
+                                  "would see no key)")
+    return dict(index_kpool=P)
+
+
+def _indexer_types(c: dict):
+    """GLM-5.3-Flash's indexer_types, or for a config.json without them what its config class
+    derives: an index_topk_pattern ("F"ull / "S"hared a layer), else every layer i is "full"
+    where max(i - index_skip_topk_offset + 1, 0) is a multiple of index_topk_freq."""
+    types = c.get("indexer_types")
+    if types is not None:
+        return types
+    pattern = c.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
+            return [{"F": "full", "S": "shared"}[ch] for ch in pattern]
+        return pattern
+    freq, offset = c.get("index_topk_freq", 1), c.get("index_skip_topk_offset", 2)
+    if not (isinstance(freq, int) and isinstance(offset, int)) or isinstance(freq, bool) or isinstance(offset, bool):
+        raise ValueError(f"index_topk_freq, index_skip_topk_offset: expected ints, got {freq!r}, {offset!r}"[:200])
+    return ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(c["num_hidden_layers"])]
+
+
+def _shared_after_full(types, mla_layers: tuple[int, ...] | None, model_type: str) -> tuple[int, ...]:
+    """The MLA layers marked "shared" (a linear-attention layer's entry means nothing). Each
+    reuses the top-k of the decoder layer right before it, which must be a "full" MLA layer:
+    transformers hands a top-k to the next decoder layer only (through a shared or a
+    linear-attention layer it is lost, and its shared layer raises)."""
+    layers = range(len(types)) if mla_layers is None else mla_layers
+    shared = tuple(i for i in layers if i < len(types) and types[i] == "shared")
+    for i in shared:
+        if i == 0 or (mla_layers is not None and i - 1 not in mla_layers) or types[i - 1] != "full":
+            raise ValueError(f"indexer_types: layer {i} of {model_type!r} is 'shared', expected layer {i - 1} before it "
+                             "to be a 'full' MLA layer (the one whose top-k it reuses)")
+    return shared
 
 
 def _gate_fields(c: dict, family: dict) -> dict:
@@ -246,15 +312,18 @@ def _gate_fields(c: dict, family: dict) -> dict:
     return out
 
 
-def _mla_layers(c: dict, model_type: str, kimi: bool, sparse: bool = False) -> tuple[int, ...] | None:
-    """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear).
-    Kimi Linear's config.json lists them (from 1) in linear_attn_config.full_attn_layers; without
-    either, transformers makes layer i full attention where i > 0 and i % 4 == 0."""
+def _mla_layers(c: dict, model_type: str, family: dict) -> tuple[int, ...] | None:
+    """The indices of the MLA layers when layer_types mixes in other attention (Kimi Linear,
+    GLM-5.3-Flash). Kimi Linear's config.json lists them (from 1) in
+    linear_attn_config.full_attn_layers; without either, transformers makes layer i full
+    attention where i > 0 and i % 4 == 0 (Kimi Linear), i % 4 == 3 (GLM-5.3-Flash)."""
     types = c.get("layer_types")
-    if types is None and kimi:
+    if types is None and (family.get("kimi_layers") or family.get("every_fourth_layer")):
         n = c.get("num_hidden_layers")
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise ValueError(f"num_hidden_layers: expected a positive int for {model_type!r}'s layer list, got {n!r}")
+        if family.get("every_fourth_layer"):
+            return tuple(i for i in range(n) if i % 4 == 3)
         lin = c.get("linear_attn_config") or {}
         full = lin.get("full_attn_layers") if isinstance(lin, Mapping) else None
         if full is not None:
@@ -266,7 +335,7 @@ def _mla_layers(c: dict, model_type: str, kimi: bool, sparse: bool = False) -> t
         return None
     if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
         raise ValueError(f"layer_types: expected a list of strings, got {types!r}"[:200])
-    mla_types = _MLA_LAYER_TYPES + ((_SPARSE_LAYER_TYPE,) if sparse else ())
+    mla_types = _MLA_LAYER_TYPES + ((_SPARSE_LAYER_TYPE,) if family.get("indexer") else ())
     unknown = sorted(set(types) - set(mla_types) - {"linear_attention"})
     if unknown:
         raise NotImplementedError(f"layer_types: mla does not implement {unknown} layers (model_type {model_type!r})")

@@ -14,7 +14,8 @@ One step, for the T new tokens of a batch:
     c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
-    or with a sparse indexer past index_topk keys: the indexer's top-k keys only (sparse.py)
+    or with a sparse indexer past cfg.sparse_max_keys keys: the indexer's top-k keys only
+    (sparse.py; GLM-5.3-Flash: its top pools and its open pool, kpool.py)
     attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x)),
                                                          or A.X-K2's attn * sigmoid(gate)
     out          = o_proj(attn [T, H * dv])
@@ -141,6 +142,9 @@ class MLA(nn.Module):
             self.idx_k_norm_w = param(d)
             self.idx_k_norm_b = param(d)
             self.w_idx_w = param(n, D)
+            if cfg.index_kpool is not None:    # GLM-5.3-Flash's pool gate and its position bias
+                self.w_idx_gate = param(d, D)
+                self.idx_ape = param(cfg.index_kpool, d)
         self.loaded = False
 
     # W_UK [H, dn, r] and W_UV [H, dv, r]: views of kv_b_proj, derived once by weights.split_kv_b
@@ -204,9 +208,13 @@ class MLA(nn.Module):
         if self.w_gate is not None:
             self.w_gate.copy_(w["gate_proj.weight"])
         if self.has_own_indexer:
-            for attr, name in (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
-                               ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
-                               ("w_idx_w", "indexer.weights_proj.weight")):
+            names = (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
+                     ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
+                     ("w_idx_w", "indexer.weights_proj.weight"))
+            if self.cfg.index_kpool is not None:
+                names += (("w_idx_gate", "indexer.index_kpool_compress_gate"),
+                          ("idx_ape", "indexer.index_kpool_compress_ape"))
+            for attr, name in names:
                 getattr(self, attr).copy_(w[name])
         self.loaded = True
 
@@ -357,7 +365,7 @@ class MLA(nn.Module):
         for group in plan.absorbed:
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         if plan.sparse:
-            sparse.attend(self, q, index_qkw, shared, plan.sparse, batch, kv_cache, attn)
+            sparse.attend(self, q, index_qkw, shared, plan, batch, kv_cache, attn)
         if gate_logits is None:     # a subclass's two-argument hook keeps working
             attn = self.output_gate(hidden_states, attn)
         else:

@@ -1,5 +1,6 @@
 """The sparse path (DeepSeek Sparse Attention, DeepSeek-V3.2 and GLM-5): a lightning indexer
-picks index_topk keys per query token, and the token attends to those only.
+picks index_topk keys per query token, and the token attends to those only. GLM-5.3-Flash's
+k-pool indexer picks whole pools of keys instead (kpool.py); the rest of the path is the same.
 
 Notation as in layer.py, plus n = index_n_heads, d = index_head_dim, k = index_topk:
 
@@ -24,30 +25,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import kpool, ops
 from .absorbed import absorb_query, apply_uv
 from .batch import Batch
 from . import quant
 from .rope import apply_rope
-from .strategy import SparseChunk
+from .strategy import Plan, SparseChunk
 
-__all__ = ["index_query_key", "append_index_keys", "shared_indices", "attend"]
+__all__ = ["index_query_key", "append_index_keys", "shared_indices", "select_pools", "attend"]
 
 
 def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [T, D], q_a [T, rq] (the normed q latent) -> q_idx [T, n, d], k_idx [T, d] in the
-    layer's dtype, both rotated, and the head weights w [T, n] float32 (scaled)."""
+    """x [T, D], q_a [T, rq] (the normed q latent) -> q_idx [T, n, d], the index row the cache
+    keeps (k_idx [T, d], or the k-pool indexer's [k | gate] [T, 2d]) in the layer's dtype, both
+    rotated (the k-pool indexer has no RoPE), and the head weights w [T, n] float32 (scaled)."""
     cfg = layer.cfg
     T, n, d, dr = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q = F.linear(q_a, layer.w_idx_q).view(T, n, d)
     k = F.layer_norm(F.linear(x, layer.w_idx_k), (d,), layer.idx_k_norm_w, layer.idx_k_norm_b, cfg.index_k_norm_eps)
+    w = F.linear(x, layer.w_idx_w).float() * cfg.index_weights_scale
+    if cfg.index_kpool is not None:
+        return q, torch.cat((k, F.linear(x, layer.w_idx_gate)), -1), w
     # RoPE on the first dr values (the last in Hy4); the pairing is the same for q and k, so their
     # dot products do not depend on the layout it leaves (transformers' GLM indexer
     # de-interleaves, this keeps it)
     rot = slice(d - dr, d) if cfg.index_rope_last else slice(0, dr)
     q[..., rot] = apply_rope(q[..., rot], cos, sin, cfg.index_rope_interleave)
     k[:, rot] = apply_rope(k[:, rot], cos, sin, cfg.index_rope_interleave)
-    w = F.linear(x, layer.w_idx_w).float() * cfg.index_weights_scale
     return q, k, w
 
 
@@ -104,17 +108,29 @@ def shared_indices(layer, batch: Batch, chunks: list[SparseChunk]):
     return indices
 
 
-def attend(layer, q, index_qkw, indices, chunks: list[SparseChunk], batch: Batch, kv_cache, out) -> None:
+def select_pools(layer, q_idx, w, plan: Plan, batch: Batch, index_cache) -> list[torch.Tensor]:
+    """The k-pool indexer's selection of every sparse chunk ([rows, sparse_max_keys] int32 cache
+    slots each, -1 padded), over the pooled keys of the step's sparse sequences."""
+    pooled = kpool.pooled_keys(layer, plan.pools, index_cache)
+    return [kpool.select(layer, q_idx[c.rows], w[c.rows], c, p, pooled, batch.positions[c.rows], batch.block_size)
+            for c, p in zip(plan.sparse, plan.pools.chunks)]
+
+
+def attend(layer, q, index_qkw, indices, plan: Plan, batch: Batch, kv_cache, out) -> None:
     """Sparse attention of the plan's sparse chunks, written to out[chunk.rows] ([T, H, dv]).
 
-    index_qkw: (q_idx, w) of this layer's indexer, whose top-k is computed here and kept in the
-    batch for the layers that share it; or None, and ``indices`` the shared top-k per chunk."""
+    index_qkw: (q_idx, w) of this layer's indexer, whose selection is computed here and kept in
+    the batch for the layers that share it; or None, and ``indices`` the shared one per chunk."""
     cfg = layer.cfg
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    chunks = plan.sparse
     if index_qkw is not None:
         index_cache = batch.cache.index_keys(layer.layer_idx)
-        indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size, batch.cache.index_format)
-                   for chunk in chunks]
+        if cfg.index_kpool is not None:
+            indices = select_pools(layer, *index_qkw, plan, batch, index_cache)
+        else:
+            indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size, batch.cache.index_format)
+                       for chunk in chunks]
         batch.remember(_key(layer), indices)
     for chunk, idx in zip(chunks, indices):
         qc = q[chunk.rows]

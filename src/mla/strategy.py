@@ -15,11 +15,12 @@ The cost rule (DESIGN.md section 2), per sequence with c cached and n new tokens
   whose prefixes together fit the workspace.
 - c > max_workspace_tokens: **chunked**, the prefix expanded chunk by chunk (full mask),
   then the new tokens among themselves (causal), merged by log-sum-exp.
-- a config with a sparse indexer (DeepSeek Sparse Attention) and c + n > index_topk:
-  **sparse**, every new token attends to the index_topk keys its indexer selects (absorbed
-  form over the latent cache, sparse.py). With c + n <= index_topk every query sees at most
-  index_topk keys, so the top-k selects all of them: the dense paths above give the identical
-  result, and serve those sequences.
+- a config with a sparse indexer (DeepSeek Sparse Attention) and c + n > cfg.sparse_max_keys
+  (index_topk; with GLM-5.3-Flash's k-pool indexer index_topk + index_kpool - 1):
+  **sparse**, every new token attends to the keys its indexer selects (absorbed form over the
+  latent cache, sparse.py). With c + n <= sparse_max_keys every query sees at most that many
+  keys, so the selection holds all of them (with k-pool: all its complete pools and its open
+  pool's tokens): the dense paths above give the identical result, and serve those sequences.
 
 A batch of decodes only (every sequence absorbed, all with the same s_q) gets the **decode
 plan** (``decode_plan``): one absorbed group over all rows, on the batch's own block table and
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kpool
 from .batch import Batch
 from .config import MLAConfig
 
@@ -102,8 +104,10 @@ class SparseChunk:
     block_table: torch.Tensor       # [len(seqs), max_blocks] int32
     cache_seqlens: torch.Tensor     # [len(seqs)] int32, ends
     cu_seqlens_q: torch.Tensor      # [len(seqs) + 1] int32
-    max_seqlen_k: int               # max(ends): the width of the chunk's logits
+    max_seqlen_k: int               # max(ends): the keys of the chunk's logits
     num_rows: int = 0
+    ends: tuple = ()                # cache_seqlens as host ints
+    counts: tuple = ()              # queries of each sequence (cu_seqlens_q's steps) as host ints
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Plan:
     chunked: Group | None = None    # the new tokens among themselves, then its passes: prefix chunks
     absorbed: list[Group] = field(default_factory=list)
     sparse: list[SparseChunk] = field(default_factory=list)
+    pools: kpool.PoolPlan | None = None     # the k-pool indexer's gathers and pool tables (kpool.py)
 
 
 def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: str | None = None,
@@ -139,7 +144,7 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         if cp_size > 1 and s in ("cached", "chunked"):
             s = "absorbed"
         # attention sinks exist in the sparse ops only: every sequence of such a config is sparse
-        if s is not None and cfg.has_indexer and (c + n > cfg.index_topk or force == "sparse"
+        if s is not None and cfg.has_indexer and (c + n > cfg.sparse_max_keys or force == "sparse"
                                                   or cfg.attention_sinks):
             s = "sparse"
         strategy.append(s)
@@ -224,6 +229,8 @@ def build_plan(batch: Batch, cfg: MLAConfig, max_workspace_tokens: int, force: s
         plan.absorbed.append(group)
     if by["sparse"]:
         plan.sparse = sparse_chunks(batch, cfg, by["sparse"], max_workspace_tokens, ints, gathers)
+        if cfg.index_kpool is not None:
+            plan.pools = kpool.pool_plan(batch, cfg, by["sparse"], plan.sparse, max_workspace_tokens, ints)
     return plan
 
 
@@ -257,14 +264,15 @@ def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_t
                   gathers: bool = True) -> list[SparseChunk]:
     """The sparse sequences' queries cut into chunks whose indexer logits hold at most
     max_workspace_tokens * index_head_dim float32 values (the size of a workspace of indexer
-    keys; never a T x T matrix for a long prompt) and, where the attention op gathers the
-    selected rows (``gathers``: the reference), whose selected rows number at most
-    max_workspace_tokens (rows x index_topk); at least one query a chunk. The GPU kernel reads
+    keys; never a T x T matrix for a long prompt; a column a key, or a complete pool with the
+    k-pool indexer) and, where the attention op gathers the selected rows (``gathers``: the
+    reference), whose selected rows number at most max_workspace_tokens (rows x
+    sparse_max_keys); at least one query a chunk. The GPU kernel reads
     the rows in place, so there only the logits bound applies: a 4096-token prompt with top-2048
     is 2 chunks, not 128. A decode batch is one chunk; a long prompt is many, each a run of its
     queries."""
     budget = max_workspace_tokens * cfg.index_head_dim
-    max_rows = max(1, max_workspace_tokens // cfg.index_topk) if gathers else budget
+    max_rows = max(1, max_workspace_tokens // cfg.sparse_max_keys) if gathers else budget
     offsets = batch.token_offsets()
     chunks, pieces = [], []   # pieces of the open chunk: (batch index, first query, end query)
 
@@ -274,11 +282,11 @@ def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_t
         ends = [batch.num_cached[b] + i1 for b, _, i1 in pieces]
         table = batch.block_table[ints([b for b, _, _ in pieces], torch.int64)]
         rows = rows_of_pieces(pieces)
+        counts = tuple(i1 - i0 for _, i0, i1 in pieces)
         chunks.append(SparseChunk(seqs=[b for b, _, _ in pieces], rows=rows, block_table=table,
                                   cache_seqlens=ints(ends),
-                                  cu_seqlens_q=ints(list(itertools.accumulate((i1 - i0 for _, i0, i1 in pieces),
-                                                                              initial=0))),
-                                  max_seqlen_k=max(ends), num_rows=sum(i1 - i0 for _, i0, i1 in pieces)))
+                                  cu_seqlens_q=ints(list(itertools.accumulate(counts, initial=0))),
+                                  max_seqlen_k=max(ends), num_rows=sum(counts), ends=tuple(ends), counts=counts))
         pieces.clear()
 
     def rows_of_pieces(ps):
@@ -292,7 +300,8 @@ def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_t
         i = 0
         while i < n:
             used = sum(i1 - i0 for _, i0, i1 in pieces)
-            width = max([batch.num_cached[x] + i1 for x, _, i1 in pieces] + [c + n])   # a bound on the logits' width
+            keys = max([batch.num_cached[x] + i1 for x, _, i1 in pieces] + [c + n])
+            width = max(1, cfg.index_logits_width(keys))     # a bound on the logits' width
             m = min(n - i, max_rows - used, budget // width - used)
             if m <= 0 and pieces:
                 flush()

@@ -25,8 +25,9 @@ FP8_BLOCK = 128
 
 def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
     """Expected shape of every tensor of one attention layer, by HF name (no prefix). With a
-    sparse indexer (DeepSeek-V3.2, GLM-5) the layer's ``indexer.*`` tensors too, unless the layer
-    reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer); with attention sinks
+    sparse indexer (DeepSeek-V3.2, GLM-5) the layer's ``indexer.*`` tensors too (with the k-pool
+    indexer also ``index_kpool_compress_gate`` [d, D] and ``_ape`` [index_kpool, d]), unless the
+    layer reuses an earlier layer's top-k (GLM-5's "shared" layers have no indexer); with attention sinks
     ``sinks`` [H], with an output gate ``gate_proj.weight`` [H * dv, D] (Hy4); with q_gate_fused
     ``q_gate_proj.weight`` [H * (dn + dr + dv), 2 * rq] instead of q_b_proj and gate_proj (A.X-K2)."""
     H, D = cfg.num_heads, cfg.hidden_size
@@ -56,6 +57,9 @@ def hf_weight_shapes(cfg: MLAConfig, layer_idx: int = 0) -> dict[str, tuple[int,
         shapes["indexer.k_norm.weight"] = (d,)                     # a LayerNorm: weight and bias
         shapes["indexer.k_norm.bias"] = (d,)
         shapes["indexer.weights_proj.weight"] = (n, D)
+        if cfg.index_kpool is not None:                            # GLM-5.3-Flash's pool gate
+            shapes["indexer.index_kpool_compress_gate"] = (d, D)
+            shapes["indexer.index_kpool_compress_ape"] = (cfg.index_kpool, d)
     if cfg.attention_sinks:
         shapes["sinks"] = (H,)                                     # one logit per head (Hy4)
     if cfg.output_gate is not None and not cfg.q_gate_fused:
