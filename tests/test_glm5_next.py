@@ -335,3 +335,29 @@ def test_shared_layer_reuses_the_selection():
     prev_topk_indices does; before layer 1 runs it refuses the batch."""
     F.check_shared_layer("glm5_next_text", KPOOL.make_config(), layers=(1, 2))
 
+
+# ---------------------------------------------------------------------------------------
+# mla.hf.patch (batch 1 and a left-padded batch of 2 with short prompts: tests/test_hf_patch.py)
+
+
+def test_patch_generates_eager_tokens_from_sparse_prompts():
+    """Prompts past 11 keys (the prefill itself sparse; 15 and 9 real tokens, left-padded) on a
+    cache built from ``mla.hf.patch_config``: the MLA layers 1 and 2 are mla's (numbered 0 and 1,
+    1 reusing 0's selection), the linear-attention layer 0 stays transformers', and greedy
+    generate gives eager's tokens."""
+    from test_hf_patch import greedy, make_model, stand_ins
+
+    model = make_model("glm5_next_text", seed=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32, (2, 15), generator=g)
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[1, :6], ids[1, :6] = 0, 0
+    ref = greedy(model, ids, mask)
+    cfg = mla.hf.patch_config(model)
+    assert cfg.mla_layers is None and cfg.index_shared_layers == (1,) and cfg.index_kpool == 4
+    cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=32, block_size=4, dtype=torch.float32)
+    linear = model.model.language_model.layers[0].self_attn
+    with mla.hf.patch(model, cache) as handle:
+        assert len(stand_ins(model)) == 2 and model.model.language_model.layers[0].self_attn is linear
+        assert [layer.has_own_indexer for layer in handle.layers] == [True, False]
+        assert greedy(model, ids, mask).tolist() == ref.tolist()

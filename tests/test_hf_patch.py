@@ -20,19 +20,25 @@ import torch
 import hf_families as F
 import mla
 
-# The sparse families: prompts of 5-9 tokens + 8 new, past their top-k (8)
-CASES = list(F.EXACT) + ["deepseek_v32", "axk2", "glm_moe_dsa", "hy_v4"]
+# The sparse families: prompts of 5-9 tokens + 8 new, past their top-k (8; GLM-5.3-Flash's 11 keys:
+# two pools of 4 and the open pool)
+CASES = list(F.EXACT) + ["deepseek_v32", "axk2", "glm_moe_dsa", "hy_v4", "glm5_next_text"]
 CAUSAL_LM = dict(deepseek_v2="DeepseekV2ForCausalLM", deepseek_v3="DeepseekV3ForCausalLM", axk1="AXK1ForCausalLM",
                  youtu="YoutuForCausalLM", glm4_moe_lite="Glm4MoeLiteForCausalLM", mistral4="Mistral4ForCausalLM",
                  longcat_flash="LongcatFlashForCausalLM", minicpm3="MiniCPM3ForCausalLM",
                  kimi_linear="KimiLinearForCausalLM", deepseek_v32="DeepseekV32ForCausalLM",
-                 axk2="AXK2ForCausalLM", glm_moe_dsa="GlmMoeDsaForCausalLM", hy_v4="HYV4ForCausalLM")
+                 axk2="AXK2ForCausalLM", glm_moe_dsa="GlmMoeDsaForCausalLM", hy_v4="HYV4ForCausalLM",
+                 glm5_next_text="Glm5NextForConditionalGeneration")
 # The model around the attention kept tiny: small MLPs, an MoE layer in DeepSeek-V3 (layer 1),
 # MiniCPM3's embedding and logit scales at 1 so that random weights give varied tokens.
 MODEL_OVERRIDES = dict(intermediate_size=32, moe_intermediate_size=16, first_k_dense_replace=1, scale_emb=1,
-                       dim_model_base=64)
-# Attention modules each model has: LongCat two per decoder layer, Kimi Linear its full-attention layers.
-NUM_MLA = dict(longcat_flash=2, kimi_linear=2)
+                       dim_model_base=64, hc_mult=2)
+# GLM-5.3-Flash's only causal LM is its multimodal model: a one-block vision tower beside the text
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,
+                   projection_intermediate_size=16)
+# Attention modules each model has: LongCat two per decoder layer, Kimi Linear its full-attention
+# layers, GLM-5.3-Flash its MLA layers (1 and 2; 0 is linear attention, 2 reuses 1's top-k).
+NUM_MLA = dict(longcat_flash=2, kimi_linear=2, glm5_next_text=2)
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 NEW_TOKENS = 8
 # Weight seeds whose greedy tokens vary in every row (seed 0 repeats one token in a row of these).
@@ -41,7 +47,7 @@ LOGIT_TOL = 1e-4     # float32 logits after 2-4 layers; mla's attention differs 
 
 
 def family_case(case: str):
-    return F.EXACT[case] if case in F.EXACT else F.SPARSE[case]
+    return F.find_case(case)
 
 
 def make_model(case: str, seed: int = 0, **more):
@@ -52,6 +58,9 @@ def make_model(case: str, seed: int = 0, **more):
     for k, v in MODEL_OVERRIDES.items():
         if hasattr(cfg, k) and k not in c.overrides:
             setattr(cfg, k, v)
+    if c.family == "glm5_next_text":
+        cfg = F._cls("glm5_next", "Glm5NextConfig")(text_config=cfg.to_dict(), vision_config=TINY_VISION)
+        cfg._attn_implementation = "eager"
     module = importlib.import_module(f"transformers.models.{c.module}.modeling_{c.module}")
     model = getattr(module, CAUSAL_LM[c.family])(cfg).float().eval()
     g = torch.Generator().manual_seed(seed)

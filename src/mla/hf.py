@@ -3,8 +3,8 @@
 ``patch(model)`` finds every MLA attention module of a transformers model of an exact family
 (``MLAConfig.from_hf`` reads its config; a refused family raises there), builds an ``mla.MLA``
 with the module's weights for each, and swaps the module for a thin stand-in that runs it on
-one shared ``PagedLatentCache``. The rest of the model (embeddings, norms, MoE, lm_head, Kimi
-Linear's linear-attention layers) stays transformers' own.
+one shared ``PagedLatentCache``. The rest of the model (embeddings, norms, MoE, lm_head, the
+linear-attention layers of Kimi Linear and GLM-5.3-Flash) stays transformers' own.
 
 How one forward of the patched model runs:
 
@@ -41,7 +41,7 @@ from .cache import PagedLatentCache
 from .config import MLAConfig
 from .layer import MLA
 
-__all__ = ["patch", "PatchHandle"]
+__all__ = ["patch", "patch_config", "PatchHandle"]
 
 
 def _is_mla_attention(module: nn.Module) -> bool:
@@ -55,9 +55,9 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     """Swap every MLA attention module of ``model`` (a transformers model of an exact MLA family,
     e.g. ``DeepseekV3ForCausalLM``) for ``mla.MLA`` on one shared ``PagedLatentCache``.
 
-    cache: a ``PagedLatentCache`` to use, built for ``handle.cfg`` (``MLAConfig.from_hf(model.config)``
-        with ``mla_layers=None``: the patch numbers the MLA modules 0 .. M-1 in model order) with
-        ``num_layers >= M``; None creates one of ``num_blocks`` blocks of ``block_size`` tokens.
+    cache: a ``PagedLatentCache`` to use, built for ``patch_config(model)`` (= ``handle.cfg``) with
+        ``num_layers >= M`` (the model's M MLA modules); None creates one of ``num_blocks``
+        blocks of ``block_size`` tokens.
     dtype: the layers' and the created cache's dtype; None takes the modules' parameter dtype.
     backend: as ``mla.MLA``'s ("auto" | "torch" | "triton").
 
@@ -107,24 +107,42 @@ class _MLAAttention(nn.Module):
         return out.view(B, S, D), None
 
 
+def _configs(model) -> tuple[MLAConfig, str]:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"model: expected a transformers model with a .config, got {type(model).__name__}")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # from_hf refuses what mla does not implement, by name
+    return MLAConfig.from_hf(text_config), getattr(text_config, "model_type", "unknown")
+
+
+def patch_config(model: nn.Module) -> MLAConfig:
+    """The MLAConfig of ``patch(model)``'s layers and cache (a cache given to ``patch`` is built
+    for it): ``MLAConfig.from_hf`` of the model's (text) config with its MLA layers numbered
+    0 .. M-1 in model order (LongCat has two per decoder layer, Kimi Linear and GLM-5.3-Flash
+    only their MLA layers), the shared indexer layers among them alike."""
+    return _numbered(_configs(model)[0])
+
+
+def _numbered(cfg: MLAConfig) -> MLAConfig:
+    shared = cfg.index_shared_layers
+    if cfg.mla_layers is not None:   # a shared layer's source, the MLA layer before it, moves alike
+        shared = tuple(cfg.mla_layers.index(i) for i in shared)
+    return dataclasses.replace(cfg, mla_layers=None, index_shared_layers=shared)
+
+
 class PatchHandle:
     """The patch of one model: its layers, its cache, and the request it is serving."""
 
     def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens):
-        config = getattr(model, "config", None)
-        if config is None:
-            raise ValueError(f"model: expected a transformers model with a .config, got {type(model).__name__}")
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text_config, "model_type", "unknown")
-        cfg = MLAConfig.from_hf(text_config)        # refuses what mla does not implement, by name
-        # GLM-5's and Hy4's decoder layers take a third output from attention, its top-k, and hand
-        # it to the next layer (GLM-5's shared layers reuse it). The stand-ins return None there:
-        # mla's layers share their top-k through the step's Batch (``Batch.remember``), one Batch
-        # serving every layer of a forward, so the next stand-in needs nothing from transformers.
-        self.returns_topk = model_type in ("glm_moe_dsa", "hy_v4")
-        # The cache holds only the MLA modules, numbered 0 .. M-1 in model order (LongCat has two
-        # per decoder layer, Kimi Linear only its full-attention layers).
-        self.cfg = dataclasses.replace(cfg, mla_layers=None)
+        cfg, model_type = _configs(model)
+        # GLM-5's, GLM-5.3-Flash's and Hy4's decoder layers take a third output from attention,
+        # its top-k, and hand it to the next layer as prev_topk_indices (the shared layers reuse
+        # it). The stand-ins return None there: mla's layers share their selection through the
+        # step's Batch (``Batch.remember``), one Batch serving every layer of a forward, so the
+        # next stand-in needs nothing from transformers.
+        self.returns_topk = model_type in ("glm_moe_dsa", "glm5_next_text", "glm5_next", "hy_v4")
+        self.cfg = _numbered(cfg)
         if any(isinstance(m, _MLAAttention) for m in model.modules()):
             raise ValueError("model: expected an unpatched model, got one patched already (unpatch it first)")
         sites = [(name, m) for name, m in model.named_modules() if _is_mla_attention(m)]
@@ -143,8 +161,8 @@ class PatchHandle:
         elif not isinstance(cache, PagedLatentCache):
             raise ValueError(f"cache: expected a mla.PagedLatentCache or None, got {type(cache).__name__}")
         elif cache.cfg != self.cfg or cache.num_layers < len(sites):
-            raise ValueError(f"cache: expected a PagedLatentCache of MLAConfig.from_hf(model.config) with "
-                             f"mla_layers=None and num_layers >= {len(sites)}, got num_layers={cache.num_layers} "
+            raise ValueError(f"cache: expected a PagedLatentCache of mla.hf.patch_config(model) and num_layers >= "
+                             f"{len(sites)}, got num_layers={cache.num_layers} "
                              f"and {'the same' if cache.cfg == self.cfg else 'another'} config")
         self.model, self.cache, self.model_type = model, cache, model_type
         kw = {} if max_workspace_tokens is None else {"max_workspace_tokens": max_workspace_tokens}
