@@ -166,13 +166,19 @@ def test_indexer_kernels(B, nq, n_heads, index_format):
 _SPARSE_CFG = dict(hidden_size=1024, num_heads=16, q_lora_rank=768, kv_lora_rank=R, qk_nope_head_dim=128,
                    qk_rope_head_dim=DR, v_head_dim=128, max_position_embeddings=4096, index_topk=256,
                    index_n_heads=64, index_head_dim=128)
+# GLM-5.3-Flash's shapes: no RoPE (rows of the 512-value latent: the portable decode kernel), nope and
+# v 256, the k-pool indexer (pools of 16: the best 16 and the open pool)
+_KPOOL_CFG = dict(_SPARSE_CFG, qk_rope_head_dim=0, qk_nope_head_dim=256, v_head_dim=256, rope_type="none",
+                  index_kpool=16)
 # test_layer_gpu's steps (a 700-token prompt past index_topk beside a short one, decode, drafts,
 # a prompt beside a decode, a long prompt over a cached prefix) and its runner, workspace 256
 
 
-@pytest.mark.parametrize("cache_dtype,scaling", [(None, "tensor"), (torch.float8_e4m3fn, "tile")])
-def test_sparse_layer_triton_matches_reference(cache_dtype, scaling):
-    cfg = mla.MLAConfig(**_SPARSE_CFG)
+@pytest.mark.parametrize("fields,cache_dtype,scaling", [(_SPARSE_CFG, None, "tensor"),
+                                                        (_SPARSE_CFG, torch.float8_e4m3fn, "tile"),
+                                                        (_KPOOL_CFG, None, "tensor")], ids=["dsa", "dsa-fp8", "kpool"])
+def test_sparse_layer_triton_matches_reference(fields, cache_dtype, scaling):
+    cfg = mla.MLAConfig(**fields)
     sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
     ref = _run(cfg, sd, torch.float32, "torch", STEPS, 256, cache_dtype, scaling)
     low = _run(cfg, sd, torch.bfloat16, "torch", STEPS, 256, cache_dtype, scaling)
