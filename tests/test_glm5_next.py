@@ -174,6 +174,9 @@ def test_from_hf_config_json_defaults():
         assert ours.index_shared_layers == ()
     with pytest.raises(ValueError, match="indexer_types.*layer 7"):   # after a linear-attention layer
         mla.MLAConfig.from_hf(dict(keys, model_type="glm5_next_text", index_topk_pattern="FFFFFFFS"))
+    published = mla.MLAConfig.from_hf(F._cls("glm5_next", "Glm5NextConfig")())    # the class defaults
+    assert published.mla_layers == tuple(range(3, 45, 4)) and published.kv_dim == 512
+    assert (published.index_kpool, published.sparse_max_keys, published.index_row_dim) == (16, 2063, 256)
     flat = dict(keys, model_type="glm5_next", num_hidden_layers=4, index_topk_pattern="FFSF",
                 layer_types=["linear_attention", "full_attention", "full_attention", "linear_attention"])
     assert mla.MLAConfig.from_hf(flat).index_shared_layers == (2,)

@@ -1,14 +1,14 @@
 """PagedLatentCache: one preallocated tensor of latent rows, block bookkeeping in plain Python.
 
 Each token keeps one row [c_kv | rope(k_pe)] of kv_lora_rank + qk_rope_head_dim values
-per layer (c_kv alone where qk_rope_head_dim is 0). Storage is ``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns
-an ordered list of blocks. With a sparse indexer (DeepSeek Sparse Attention) each token also
-keeps the indexer's row, ``index_kv [num_layers, num_blocks, block_size, cfg.index_row_dim]``
-(its key, or the k-pool indexer's [k | gate]), at the same block and offset as its latent
-row: the bookkeeping below (fork, truncate, copy-on-write, release) moves block ids, so it
-carries both. Blocks carry reference counts:
-``fork`` shares every block of the source, and the first write into a shared, partly filled
-block copies it first (copy-on-write), so full shared blocks are never copied.
+per layer (c_kv alone where qk_rope_head_dim is 0). Storage is
+``kv [num_layers, num_blocks, block_size, r + dr]``; a sequence owns an ordered list of blocks.
+With a sparse indexer (DeepSeek Sparse Attention) each token also keeps the indexer's row,
+``index_kv [num_layers, num_blocks, block_size, cfg.index_row_dim]`` (its key, or the k-pool
+indexer's [k | gate]), at the same block and offset as its latent row: the bookkeeping below
+(fork, truncate, copy-on-write, release) moves block ids, so it carries both. Blocks carry
+reference counts: ``fork`` shares every block of the source, and the first write into a shared,
+partly filled block copies it first (copy-on-write), so full shared blocks are never copied.
 
 Every public method checks all of its input before it changes anything: a call that
 raises leaves the cache exactly as it was.

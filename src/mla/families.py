@@ -1,9 +1,9 @@
 """What each MLA family's transformers config says beyond DeepSeek-V3's, and how
 ``MLAConfig.from_hf`` reads it: RoPE pairing and type, a query temperature, LongCat's latent
 scales, the layers that are MLA, the sparse indexer (DeepSeek's, or GLM-5.3-Flash's k-pool
-indexer), Hy4's sinks and output gate, A.X-K2's fused q and gate projection; and what the library refuses, by name (``NotImplementedError``
-naming the feature and the ``model_type``): a config key that changes the attention is never
-ignored.
+indexer), Hy4's sinks and output gate, A.X-K2's fused q and gate projection; and what the
+library refuses, by name (``NotImplementedError`` naming the feature and the ``model_type``): a
+config key that changes the attention is never ignored.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ _INDEXER_KEYS = ("index_topk", "index_n_heads", "indexer_types")
 
 # layer_types entries that are MLA layers this library serves
 _MLA_LAYER_TYPES = ("full_attention", "attention", "mla")
-_SPARSE_LAYER_TYPE = "deepseek_sparse_attention"    # DeepSeek-V3.2 / GLM-5: MLA with the indexer
+_SPARSE_LAYER_TYPE = "deepseek_sparse_attention"    # DeepSeek-V3.2 / GLM-5 / GLM-5.3-Flash: MLA with the indexer
 
 
 def _refuse_unimplemented(c: dict, model_type: str, read: tuple[str, ...] = ()) -> None:
@@ -291,8 +291,8 @@ def _shared_after_full(types, mla_layers: tuple[int, ...] | None, model_type: st
     shared = tuple(i for i in layers if i < len(types) and types[i] == "shared")
     for i in shared:
         if i == 0 or (mla_layers is not None and i - 1 not in mla_layers) or types[i - 1] != "full":
-            raise ValueError(f"indexer_types: layer {i} of {model_type!r} is 'shared', expected layer {i - 1} before it "
-                             "to be a 'full' MLA layer (the one whose top-k it reuses)")
+            raise ValueError(f"indexer_types: layer {i} of {model_type!r} is 'shared', expected layer {i - 1} "
+                             "before it to be a 'full' MLA layer (the one whose top-k it reuses)")
     return shared
 
 

@@ -90,8 +90,10 @@ def pool_plan(batch, cfg, seqs: list[int], chunks: list, max_workspace_tokens: i
     for c in chunks:
         counts = [e // P for e in c.ends]
         width = max(counts + [0])
-        table = [[first[b] + j for j in range(n)] + [0] * (width - n) for b, n in zip(c.seqs, counts)]
-        out.append(PoolChunk(table=ints(table).view(len(c.seqs), width), num_pools=ints(counts), max_pools=width,
+        # row j of sequence b: its pool j; the entries past a sequence's count are never read
+        cols = torch.arange(width, dtype=torch.int32, device=batch.device)
+        out.append(PoolChunk(table=ints([first[b] for b in c.seqs])[:, None] + cols[None, :], num_pools=ints(counts),
+                             max_pools=width,
                              row_seq=ints([j for j, n in enumerate(c.counts) for _ in range(n)], torch.int64)))
     return PoolPlan(num_pools=total, gathers=gathers, chunks=out)
 
@@ -134,8 +136,7 @@ def select(layer, q_idx: torch.Tensor, w: torch.Tensor, chunk, pool: PoolChunk, 
     tail = seen[:, None] * P + offsets[:-1]                        # the open pool, up to the query
     tail = tail.masked_fill(tail > positions[:, None], -1)
     tokens = torch.cat((tokens, tail), 1)
-    table = chunk.block_table[pool.row_seq].long()                 # each query's blocks
-    blocks = table.gather(1, tokens.clamp(min=0) // block_size)
+    blocks = chunk.block_table[pool.row_seq[:, None], tokens.clamp(min=0) // block_size].long()
     slots = torch.where(tokens >= 0, blocks * block_size + tokens % block_size, -1)
     out = slots.new_full((slots.shape[0], cfg.sparse_max_keys), -1)
     out[:, : slots.shape[1]] = slots
