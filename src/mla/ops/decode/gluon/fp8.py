@@ -417,9 +417,9 @@ def _fp8_kernel(
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the query, the lengths, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p,
-                                                                       num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
-                                                                       stride_qi, stride_qh, r0, _R)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+        stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)

@@ -155,9 +155,9 @@ def _narrow_kernel(
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
     # the loads first (the lengths, the query, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p,
-                                                                       num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
-                                                                       stride_qi, stride_qh, 0, R)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+        stride_qi, stride_qh, 0, R)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)

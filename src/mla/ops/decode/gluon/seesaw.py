@@ -430,8 +430,8 @@ def _seesaw_kernel(
     # the barriers above read no memory: under a dependent launch they are set up while the
     # kernel before drains
     wait_prerequisites()
-    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p,
-                                                                   num_splits, BN, BLOCK_B)
+    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size,
+                                                                   B, p, num_splits, BN, BLOCK_B)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
