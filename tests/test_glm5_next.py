@@ -364,3 +364,14 @@ def test_patch_generates_eager_tokens_from_sparse_prompts():
         assert len(stand_ins(model)) == 2 and model.model.language_model.layers[0].self_attn is linear
         assert [layer.has_own_indexer for layer in handle.layers] == [True, False]
         assert greedy(model, ids, mask).tolist() == ref.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_of_latent_only_rows_takes_the_portable_kernel():
+    """The Hopper decode kernels take 576-wide rows only: 512-wide ones (no RoPE part) go to the
+    portable kernel, which matches the float64 oracle."""
+    from mla.ops import decode
+
+    q = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    assert decode.choose_kernel(q, torch.empty(4, 64, 512, dtype=torch.bfloat16, device="cuda"), 512, 256) == "portable"
+    check_decode([1, 700, 4096], 2, 16, dv=512, dr=0, block_size=64, dtype=torch.bfloat16, device="cuda", seed=9)
