@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .strategy import Group
 
-__all__ = ["attend", "absorb_query", "apply_uv", "bmm_into"]
+__all__ = ["attend", "absorb_query", "apply_uv", "bmm_into", "helix_combine"]
 
 
 def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -76,9 +76,18 @@ def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
         else:
             out[rows] = apply_uv(o_lat, layer.W_UV)
         return
+    out[rows] = helix_combine(layer, o_lat, lse)
+
+
+def helix_combine(layer, o_lat: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Helix CP: o_lat [T, H, r] (the layer's dtype) and lse [T, H] float32, this rank's partial
+    attention over its share of the keys for all its TP heads -> [T, H_s, dv], its head slice's
+    attention over every rank's keys: W_UV (before or after the exchange, ``v_before_exchange``),
+    the all-to-all, and the LSE combine. A rank without keys for a query sends lse -inf: weight 0."""
+    par = layer.parallel
     o = apply_uv(o_lat, layer.W_UV) if par.v_before_exchange else o_lat
     parts_o, parts_lse = par.helix_exchange(o, lse)
     o, lse = parts_o[0], parts_lse[0]
     for j in range(1, par.cp_size):
         o, lse = ops.merge_attention(o, lse, parts_o[j], parts_lse[j], backend=layer.op_backend)
-    out[rows] = o if par.v_before_exchange else apply_uv(o, layer.W_UV_slice)
+    return o if par.v_before_exchange else apply_uv(o, layer.W_UV_slice)

@@ -15,7 +15,8 @@ One step, for the T new tokens of a batch:
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
     or with a sparse indexer past cfg.sparse_max_keys keys: the indexer's top-k keys only
-    (sparse.py; GLM-5.3-Flash: its top pools and its open pool, kpool.py)
+    (sparse.py; GLM-5.3-Flash: its top pools and its open pool, kpool.py; under Helix CP a top-k
+    merged from every rank's candidates, sparse_cp.py)
     attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x)),
                                                          or A.X-K2's attn * sigmoid(gate)
     out          = o_proj(attn [T, H * dv])
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import absorbed, expanded, ops, sparse
+from . import absorbed, expanded, ops, sparse, sparse_cp
 from .batch import Batch
 from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
@@ -83,9 +84,9 @@ class MLA(nn.Module):
         if strategy == "sparse" and not cfg.has_indexer:
             raise ValueError(f"strategy: 'sparse' needs a config with a sparse indexer (index_topk), {cfg.name!r} "
                              "has none")
-        if cfg.has_indexer and parallel is not None and parallel.cp_size > 1:
-            raise ValueError(f"parallel: cp_size {parallel.cp_size} with a sparse indexer: Helix CP of sparse MLA "
-                             "(a top-k over every rank's keys) is not implemented; expected cp_size 1")
+        if cfg.index_kpool is not None and parallel is not None and parallel.cp_size > 1:
+            raise ValueError(f"parallel: cp_size {parallel.cp_size} with {cfg.name!r}'s k-pool indexer (index_kpool): "
+                             "Helix CP of the pooled selection is not implemented; expected cp_size 1")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if parallel is not None:
@@ -346,8 +347,11 @@ class MLA(nn.Module):
         index_qkw = None
         if self.has_own_indexer:   # every token's indexer key is stored, whichever path serves it
             q_idx, k_idx, w_idx = sparse.index_query_key(self, hidden_states, q_a, cos, sin)
-            sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
-                                     batch.cache.index_format)
+            if batch.cache.cp_size > 1:     # Helix CP: only the tokens this rank stores
+                sparse_cp.append_index_keys(k_idx, batch, batch.cache.index_keys(self.layer_idx))
+            else:
+                sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
+                                         batch.cache.index_format)
             index_qkw = (q_idx, w_idx)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:
@@ -365,7 +369,9 @@ class MLA(nn.Module):
         for group in plan.absorbed:
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
         if plan.sparse:
-            sparse.attend(self, q, index_qkw, shared, plan, batch, kv_cache, attn)
+            # Helix CP: a top-k merged over every rank's keys, partials combined by LSE (sparse_cp.py)
+            attend = sparse.attend if batch.cache.cp_size == 1 else sparse_cp.attend
+            attend(self, q, index_qkw, shared, plan, batch, kv_cache, attn)
         if gate_logits is None:     # a subclass's two-argument hook keeps working
             attn = self.output_gate(hidden_states, attn)
         else:

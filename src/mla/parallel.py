@@ -114,6 +114,13 @@ class Parallel:
         self.stats["exchange_bytes"] += (cp - 1) * T * hs * (d * out.element_size() + lse.element_size())
         return recv_o, recv_l
 
+    def cp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [...] -> [cp_size, ...]: every CP rank's x (the same shape on all), in CP rank order
+        (Helix sparse MLA gathers each rank's top-k candidates this way)."""
+        parts = [torch.empty_like(x) for _ in range(self.cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.cp_group)
+        return torch.stack(parts)
+
 
 def _share(name: str, shape, cfg: MLAConfig, parallel: Parallel):
     """(dim, start, stop) of this rank's share of a full weight, or None where it is replicated:

@@ -32,7 +32,8 @@ from . import quant
 from .rope import apply_rope
 from .strategy import Plan, SparseChunk
 
-__all__ = ["index_query_key", "append_index_keys", "shared_indices", "select_pools", "attend"]
+__all__ = ["index_query_key", "append_index_keys", "index_query", "selection_key", "shared_indices", "select_pools",
+           "attend"]
 
 
 def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -87,7 +88,7 @@ def select(layer, q_idx, w, chunk: SparseChunk, index_cache, block_size: int, in
                             backend=layer.op_backend)
 
 
-def _key(layer) -> tuple:
+def selection_key(layer) -> tuple:
     """Where a step's top-k of an indexer layer is kept in the batch: the layers that share it
     have the same config, workspace, strategy and backend, hence the same chunks."""
     return ("sparse_indices", layer.cfg, layer.max_workspace_tokens, layer.strategy, layer.op_backend,
@@ -100,7 +101,7 @@ def shared_indices(layer, batch: Batch, chunks: list[SparseChunk]):
     ValueError, before the layer writes anything, when the source layer has not run."""
     if not chunks:
         return None
-    indices = batch.recall(_key(layer))
+    indices = batch.recall(selection_key(layer))
     if indices is None:
         source = layer.cfg.index_source_layer(layer.layer_idx)
         raise ValueError(f"batch: layer {layer.layer_idx} reuses the top-k of layer {source} (GLM-5's shared "
@@ -131,7 +132,7 @@ def attend(layer, q, index_qkw, indices, plan: Plan, batch: Batch, kv_cache, out
         else:
             indices = [select(layer, *index_qkw, chunk, index_cache, batch.block_size, batch.cache.index_format)
                        for chunk in chunks]
-        batch.remember(_key(layer), indices)
+        batch.remember(selection_key(layer), indices)
     for chunk, idx in zip(chunks, indices):
         qc = q[chunk.rows]
         q_full = absorb_query(layer, qc[..., :dn], qc[..., dn:])                   # [rows, H, r + dr]
