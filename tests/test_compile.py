@@ -13,7 +13,7 @@ import torch
 
 import mla
 from mla import ops
-from mla.layer import rms_norm
+from mla.ops.reference import rms_norm
 from mla.ops._library import OPS
 from mla.testing import random_state_dict
 
@@ -57,6 +57,12 @@ def merge_args(g, backend):
     lse_a, lse_b = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
     lse_a[0], lse_b[1], lse_a[2], lse_b[2] = (float("-inf"),) * 4     # empty parts, one row wholly
     return (out_a, lse_a, out_b, lse_b), dict(backend=backend), (out_a, lse_a, out_b, lse_b, backend)
+
+
+def rms_norm_args(g, backend):
+    x = torch.randn(5, 80, generator=g)[:, 7:40]         # strided rows, an odd width
+    w = torch.randn(33, generator=g)
+    return (x, w, 1e-6), dict(backend=backend), (x, w, 1e-6, backend)
 
 
 def rope_append_args(g, backend, cache_dtype=torch.float32):
@@ -128,7 +134,8 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "mla_decode": ("mla_decode", decode_args), "prefill_attention": ("prefill_attention", prefill_args),
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
     "mla_decode_fp8": ("mla_decode", lambda g, b: decode_args(g, b, torch.float8_e4m3fn)),
-    "merge_attention": ("merge_attention", merge_args), "rope_append": ("rope_append", rope_append_args),
+    "merge_attention": ("merge_attention", merge_args), "rms_norm": ("rms_norm", rms_norm_args),
+    "rope_append": ("rope_append", rope_append_args),
     "rope_append_fp8": ("rope_append", lambda g, b: rope_append_args(g, b, torch.float8_e4m3fn)),
     "gather_latent": ("gather_latent", gather_args), "quantize_act_1x128": ("quantize_act_1x128", quantize_args),
     "fp8_linear": ("fp8_linear", fp8_linear_args), "fp8_bmm": ("fp8_bmm", fp8_bmm_args),
@@ -139,12 +146,12 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
-TRITON_OPCHECK = ("mla_decode", "merge_attention", "rope_append", "gather_latent", "quantize_act_1x128")
+TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope_append", "gather_latent", "quantize_act_1x128")
 
 
 def test_every_public_op_is_registered():
-    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
-                        "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
+    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append",
+                        "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
                         "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mla
-from mla.layer import rms_norm
+from mla.ops.reference import rms_norm
 from mla.testing import random_state_dict
 from mla.weights import quantize_checkpoint_fp8
 

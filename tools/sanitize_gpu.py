@@ -250,6 +250,18 @@ def merge(dtype, shape):
             f"lse {expect_close(lse, want_lse, tol(dtype), 'lse'):.1e}")
 
 
+def rms_norm(dtype, T, N):
+    """Rows of a strided view (every other column of a wider buffer), one with a NaN."""
+    from mla import ops
+
+    g = gen(T + N)
+    x = torch.randn(T, 2 * N, generator=g).to(dtype)[:, ::2]
+    x[T // 2, 0] = float("nan")
+    w = torch.randn(N, generator=g).to(dtype)
+    got = ops.rms_norm(*cuda(x, w), 1e-6)
+    return f"out {expect_close(got, reference('rms_norm', x, w, 1e-6), tol(dtype), 'out'):.1e}"
+
+
 # ---- FP8 GEMMs -----------------------------------------------------------------------------------
 
 def quantize(dtype, M, K, nan=False):
@@ -442,6 +454,8 @@ CASES = {
     "gather/bf16": P(gather, "plain"),
     "gather/fp8": P(gather, "fp8"),
     "gather/fp8tile": P(gather, "fp8_tile"),
+    "rms_norm/bf16-t5-n1536": P(rms_norm, bf16, 5, 1536),
+    "rms_norm/fp32-t1-n33": P(rms_norm, fp32, 1, 33),
     "merge/bf16-h3": P(merge, bf16, (37, 3, 128)),
     "merge/fp32-h16-d512": P(merge, fp32, (9, 16, 512)),
     "quantize_act/bf16-k300-nan": P(quantize, bf16, 5, 300, nan=True),

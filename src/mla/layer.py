@@ -45,13 +45,6 @@ LAYER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_WEIGHTS = ("auto", "always", "never")   # keep q_b_proj / o_proj in FP8: on CUDA, always, never
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, cast back, times weight (transformers' DeepseekV3RMSNorm)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, layer_idx: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
                  backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None, fp8_weights: str = "auto",
@@ -329,7 +322,7 @@ class MLA(nn.Module):
         if cfg.q_lora_rank is None:
             q = a[:, : self.q_dim]
         else:
-            q_a = rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps)
+            q_a = ops.rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps, backend=self.op_backend)
             if cfg.q_gate_fused:    # A.X-K2: the query, then the output gate's logits, per head
                 qg = self._linear(torch.cat((q_a, a[:, : self.q_dim]), -1), self.w_q_b, self.w_q_b_scale)
                 qg = qg.view(T, H, cfg.qk_head_dim + cfg.v_head_dim)
@@ -337,7 +330,8 @@ class MLA(nn.Module):
             else:
                 q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
         q = q.reshape(T, H, cfg.qk_head_dim)
-        c_kv = rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps)
+        c_kv = ops.rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps,
+                            backend=self.op_backend)
         k_pe = a[:, self.q_dim + r:]
 
         cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))

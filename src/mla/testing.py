@@ -9,7 +9,8 @@ import math
 import torch
 
 from .config import MLAConfig
-from .layer import MLA, rms_norm
+from .layer import MLA
+from .ops.reference import rms_norm
 from .rope import apply_rope, cos_sin, query_temperature
 from .weights import hf_weight_shapes
 

@@ -6,7 +6,7 @@ Every op takes ``backend=None`` (CUDA tensors -> "triton" when Triton is importa
 they run under Triton's interpreter). ``lse`` is float32 with the shape of ``out`` minus its
 last dimension; a query with no visible key gets ``out = 0`` and ``lse = -inf``.
 
-The "triton" backend of each op family is a module or package here (``decode``, ``prefill``,
+The "triton" backend of each op family is a module or package here (``decode``, ``prefill``, ``norm``,
 ``merge``, ``cache_append``, ``gather``, ``fp8_gemm``, ``indexer``, ``sparse_attention``),
 imported on first use (Triton is optional); where a family has several kernels, its own dispatch chooses among them.
 
@@ -29,15 +29,15 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       check_latent_query_cache,
                       dense, describe, offsets_ok)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rope_append": "cache_append", "gather_latent": "gather", "quantize_act_1x128": "fp8_gemm",
-                   "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
+                   "rms_norm": "norm", "rope_append": "cache_append", "gather_latent": "gather",
+                   "quantize_act_1x128": "fp8_gemm", "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
                    "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
                    "indexer_logits": "indexer", "topk_indices": "indexer"}
 
@@ -104,8 +104,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     check_flag("pdl", pdl)
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] == B
            and block_table.dtype == torch.int32,
-           f"block_table: expected [{B}, max_blocks] int32, got {describe(block_table)}")
-    check(block_table.device == q.device, f"block_table: expected device {q.device}, got {block_table.device}")
+           lambda: f"block_table: expected [{B}, max_blocks] int32, got {describe(block_table)}")
+    check(block_table.device == q.device, lambda: f"block_table: expected device {q.device}, got {block_table.device}")
     check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
     softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
     block_table, cache_seqlens = dense(block_table), dense(cache_seqlens)
@@ -139,12 +139,14 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     copied to a contiguous layout on the device: no sync).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check(isinstance(t, torch.Tensor) and t.dim() == 3, f"{name}: expected a 3-D [tokens, heads, dim] tensor, got {describe(t)}")
-        check(t.dtype in FLOAT, f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
-        check(t.device == q.device, f"{name}: expected device {q.device}, got {t.device}")
-    check(k.dtype == q.dtype and v.dtype == q.dtype, f"k, v: expected dtype {q.dtype}, got {k.dtype}, {v.dtype}")
-    check(k.shape[1:] == q.shape[1:], f"k: expected [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
-    check(v.shape[:2] == k.shape[:2], f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
+        check(isinstance(t, torch.Tensor) and t.dim() == 3,
+              lambda: f"{name}: expected a 3-D [tokens, heads, dim] tensor, got {describe(t)}")
+        check(t.dtype in FLOAT, lambda: f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+        check(t.device == q.device, lambda: f"{name}: expected device {q.device}, got {t.device}")
+    check(k.dtype == q.dtype and v.dtype == q.dtype,
+          lambda: f"k, v: expected dtype {q.dtype}, got {k.dtype}, {v.dtype}")
+    check(k.shape[1:] == q.shape[1:], lambda: f"k: expected [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
+    check(v.shape[:2] == k.shape[:2], lambda: f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
     check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q: expected [B + 1] offsets (B >= 0), got an empty tensor")
     check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
@@ -162,7 +164,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
                              f"got {h!r}"[:300])
     resolve_backend(backend, q.device)
     check(kernel is None or kernel in ("flashinfer", "cudnn", "triton"),
-          f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
+          lambda: f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
     for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         # what the host can check: B sequences of at most m rows hold all the rows, none more than all
         if not (m is None or (isinstance(m, int) and not isinstance(m, bool) and m <= total <= B * m)):
@@ -187,17 +189,34 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     kernel).
     """
     check(isinstance(out_a, torch.Tensor) and out_a.dim() >= 1 and out_a.dtype in FLOAT,
-           f"out_a: expected a float16, bfloat16 or float32 tensor [..., d], got {describe(out_a)}")
+           lambda: f"out_a: expected a float16, bfloat16 or float32 tensor [..., d], got {describe(out_a)}")
     check(isinstance(out_b, torch.Tensor) and out_b.shape == out_a.shape and out_b.dtype in FLOAT,
-           f"out_b: expected a float16, bfloat16 or float32 tensor of out_a's shape {tuple(out_a.shape)}, "
+           lambda: f"out_b: expected a float16, bfloat16 or float32 tensor of out_a's shape {tuple(out_a.shape)}, "
            f"got {describe(out_b)}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == out_a.shape[:-1],
-               f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {describe(t)}")
+               lambda: f"{name}: expected float32 of shape {tuple(out_a.shape[:-1])}, got {describe(t)}")
     for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        check(t.device == out_a.device, f"{name}: expected device {out_a.device} (out_a's), got {t.device}")
+        check(t.device == out_a.device, lambda: f"{name}: expected device {out_a.device} (out_a's), got {t.device}")
     resolve_backend(backend, out_a.device)
     return _library.merge_attention(out_a, lse_a, out_b, lse_b, backend)
+
+
+def rms_norm(x, weight, eps, *, backend=None):
+    """RMSNorm of each row, as transformers' DeepseekV3RMSNorm computes it: x [T, N] (any
+    strides) float16/bfloat16/float32, weight [N] of x's dtype, eps >= 0 -> weight *
+    (x / sqrt(mean(x^2) + eps)), the statistics in float32, the normalized row rounded to x's
+    dtype before the product (rounded again). Returns [T, N] contiguous, x's dtype."""
+    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in FLOAT,
+          lambda: f"x: expected a float16, bfloat16 or float32 [T, N] tensor, got {describe(x)}")
+    check(x.shape[1] > 0, lambda: f"x: expected at least one column, got {describe(x)}")
+    check(isinstance(weight, torch.Tensor) and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+          and weight.device == x.device,
+          lambda: f"weight: expected [{x.shape[1]}] {x.dtype} on {x.device}, got {describe(weight)}")
+    eps = as_float("eps", eps)
+    check(eps >= 0, lambda: f"eps: expected a finite real number >= 0, got {eps!r}")
+    resolve_backend(backend, x.device)
+    return _library.rms_norm(x, weight, eps, backend)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None):
@@ -217,26 +236,29 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     """
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
                     ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
-        check(isinstance(t, torch.Tensor), f"{name}: expected a tensor, got {describe(t)}")
-    check(c_kv.dim() == 2 and c_kv.dtype in FLOAT, f"c_kv: expected float [T, r], got {describe(c_kv)}")
+        check(isinstance(t, torch.Tensor), lambda: f"{name}: expected a tensor, got {describe(t)}")
+    check(c_kv.dim() == 2 and c_kv.dtype in FLOAT, lambda: f"c_kv: expected float [T, r], got {describe(c_kv)}")
     T = c_kv.shape[0]
     check(q_pe.dim() == 3 and q_pe.shape[0] == T and q_pe.dtype in FLOAT,
-          f"q_pe: expected float [{T}, H, dr], got {describe(q_pe)}")
+          lambda: f"q_pe: expected float [{T}, H, dr], got {describe(q_pe)}")
     dr = q_pe.shape[-1]
-    check(k_pe.shape == (T, dr) and k_pe.dtype in FLOAT, f"k_pe: expected float [{T}, {dr}], got {describe(k_pe)}")
+    check(k_pe.shape == (T, dr) and k_pe.dtype in FLOAT,
+          lambda: f"k_pe: expected float [{T}, {dr}], got {describe(k_pe)}")
     check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32
           and sin.dtype == torch.float32,
-          f"cos, sin: expected float32 [{T}, {dr // 2}], got {describe(cos)}, {describe(sin)}")
+          lambda: f"cos, sin: expected float32 [{T}, {dr // 2}], got {describe(cos)}, {describe(sin)}")
     fmt = quant.cache_format(kv_cache)
     width = quant.row_width(fmt, c_kv.shape[-1], dr)
     check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
-           f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
-    check(fmt != "plain" or kv_cache.dtype in FLOAT, f"kv_cache: expected a float or FP8 dtype, got {kv_cache.dtype}")
+           lambda: f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
+    check(fmt != "plain" or kv_cache.dtype in FLOAT,
+          lambda: f"kv_cache: expected a float or FP8 dtype, got {kv_cache.dtype}")
     check(slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64,
-           f"slot_mapping: expected int64 [{T}], got {describe(slot_mapping)}")
+           lambda: f"slot_mapping: expected int64 [{T}], got {describe(slot_mapping)}")
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
                     ("slot_mapping", slot_mapping)):
-        check(t.device == kv_cache.device, f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
+        check(t.device == kv_cache.device,
+              lambda: f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
     check_flag("interleave", interleave)
     kv_scale = as_float("kv_scale", kv_scale, positive=True)
     resolve_backend(backend, kv_cache.device)
@@ -261,11 +283,11 @@ def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, back
     cu_seqlens[-1] are zeros) but never a read out of bounds.
     """
     check(isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3,
-          f"kv_cache: expected [num_blocks, block_size, d], got {describe(kv_cache)}")
+          lambda: f"kv_cache: expected [num_blocks, block_size, d], got {describe(kv_cache)}")
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
-           f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+           lambda: f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
     check(block_table.device == kv_cache.device,
-          f"block_table: expected device {kv_cache.device} (kv_cache's), got {block_table.device}")
+          lambda: f"block_table: expected device {kv_cache.device} (kv_cache's), got {block_table.device}")
     B = block_table.shape[0]
     check_int_vector("starts", starts, B, kv_cache.device)
     check_int_vector("cu_seqlens", cu_seqlens, B + 1, kv_cache.device)

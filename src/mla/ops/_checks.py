@@ -11,17 +11,20 @@ from .. import quant
 FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg) -> None:
+    """ValueError(msg) unless cond; msg a string or a callable that builds it, called only on
+    failure (an f-string describing tensors costs microseconds, and an eager decode step runs
+    dozens of checks)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def check_int_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
     """A 1-D int32 tensor on ``device``, of ``length`` entries (any strides: see ``dense``)."""
     check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int32,
-           f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
-    check(length is None or t.shape[0] == length, f"{name}: expected length {length}, got {t.shape[0]}")
-    check(t.device == device, f"{name}: expected device {device}, got {t.device}")
+           lambda: f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
+    check(length is None or t.shape[0] == length, lambda: f"{name}: expected length {length}, got {t.shape[0]}")
+    check(t.device == device, lambda: f"{name}: expected device {device}, got {t.device}")
 
 
 def as_float(name: str, x, positive: bool = False) -> float:
@@ -53,7 +56,8 @@ def check_writable(name: str, t: torch.Tensor) -> None:
     """A tensor an op writes in place: no two elements at one address (an expanded view), where
     the last write would win at random on the GPU."""
     check(torch._debug_has_internal_overlap(t) != 1,
-          f"{name}: expected a tensor without overlapping elements (written in place), got strides {t.stride()}")
+          lambda: f"{name}: expected a tensor without overlapping elements (written in place), got strides "
+                  f"{t.stride()}")
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -108,14 +112,15 @@ def check_interpretable(op: str, is_reference: bool, device: torch.device, *tens
     """Triton's interpreter (3.6 to 3.9) computes ``tl.dot`` on bfloat16 operands wrongly: refuse the
     kernels on CPU bf16 tensors rather than return garbage (DESIGN.md section 5)."""
     check(device.type != "cpu" or is_reference or all(t.dtype != torch.bfloat16 for t in tensors),
-          f"backend: expected 'torch' for bfloat16 {op} on CPU (Triton's interpreter computes bfloat16 dot "
+          lambda: f"backend: expected 'torch' for bfloat16 {op} on CPU (Triton's interpreter computes bfloat16 dot "
           "products wrongly; its kernels run float32 and float16 there)")
 
 
 def check_act(x, dims: str) -> None:
     ndim = dims.count(",") + 1
-    check(isinstance(x, torch.Tensor) and x.dim() == ndim, f"x: expected a {ndim}-D tensor {dims}, got {describe(x)}")
-    check(x.dtype in FLOAT, f"x: expected float16, bfloat16 or float32, got {x.dtype}")
+    check(isinstance(x, torch.Tensor) and x.dim() == ndim,
+          lambda: f"x: expected a {ndim}-D tensor {dims}, got {describe(x)}")
+    check(x.dtype in FLOAT, lambda: f"x: expected float16, bfloat16 or float32, got {x.dtype}")
 
 
 def check_fp8_weight(x, weight, weight_scale_inv, out_dtype) -> torch.dtype:
@@ -123,16 +128,16 @@ def check_fp8_weight(x, weight, weight_scale_inv, out_dtype) -> torch.dtype:
     lead, K = tuple(x.shape[:-2]), x.shape[-1]
     check(isinstance(weight, torch.Tensor) and weight.dim() == x.dim() and tuple(weight.shape[:-2]) == lead
            and weight.shape[-1] == K,
-           f"weight: expected [{', '.join(map(str, lead + ('N',)))}, {K}], got {describe(weight)}")
-    check(weight.dtype == torch.float8_e4m3fn, f"weight: expected float8_e4m3fn, got {weight.dtype}")
+           lambda: f"weight: expected [{', '.join(map(str, lead + ('N',)))}, {K}], got {describe(weight)}")
+    check(weight.dtype == torch.float8_e4m3fn, lambda: f"weight: expected float8_e4m3fn, got {weight.dtype}")
     blocks = lead + (-(-weight.shape[-2] // 128), -(-K // 128))
     check(isinstance(weight_scale_inv, torch.Tensor) and weight_scale_inv.dtype == torch.float32
            and tuple(weight_scale_inv.shape) == blocks,
-           f"weight_scale_inv: expected float32 of shape {blocks}, got {describe(weight_scale_inv)}")
+           lambda: f"weight_scale_inv: expected float32 of shape {blocks}, got {describe(weight_scale_inv)}")
     for name, t in (("weight", weight), ("weight_scale_inv", weight_scale_inv)):
-        check(t.device == x.device, f"{name}: expected device {x.device}, got {t.device}")
+        check(t.device == x.device, lambda: f"{name}: expected device {x.device}, got {t.device}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    check(out_dtype in FLOAT, f"out_dtype: expected float16, bfloat16, float32 or None, got {out_dtype}")
+    check(out_dtype in FLOAT, lambda: f"out_dtype: expected float16, bfloat16, float32 or None, got {out_dtype}")
     return out_dtype
 
 
@@ -147,14 +152,16 @@ def check_gather_values(block_table, starts, cu_seqlens, num_tokens: int, num_bl
           f"cu_seqlens: expected non-decreasing offsets from 0 to num_tokens = {num_tokens}, got {cu}"[:300])
     table, width = block_table.tolist(), block_table.shape[1]
     for b, (s, n) in enumerate(zip(st, (y - x for x, y in zip(cu, cu[1:])))):
-        check(s >= 0, f"starts: expected ints >= 0, got {s} at index {b}")
+        check(s >= 0, lambda: f"starts: expected ints >= 0, got {s} at index {b}")
         if n == 0:
             continue
         last = (s + n - 1) // block_size
-        check(last < width, f"block_table: sequence {b} reads tokens {s}..{s + n - 1}, block {last} of its row, "
+        check(last < width,
+              lambda: f"block_table: sequence {b} reads tokens {s}..{s + n - 1}, block {last} of its row, "
                             f"past block_table.shape[1] = {width}")
         for j in range(s // block_size, last + 1):
-            check(0 <= table[b][j] < num_blocks, f"block_table: expected block ids in [0, {num_blocks}) for the "
+            check(0 <= table[b][j] < num_blocks,
+                  lambda: f"block_table: expected block ids in [0, {num_blocks}) for the "
                                                   f"blocks starts and cu_seqlens reach, got block_table[{b}, {j}] = "
                                                   f"{table[b][j]}")
 
@@ -175,20 +182,22 @@ def check_latent_query_cache(q, kv_cache, head_dim_v):
     """The absorbed query q [B, s_q, H, d] and a paged latent cache of one of the row formats
     (``mla.quant``), as mla_decode and sparse_mla_decode take them; a [num_blocks, block_size,
     1, d] cache is viewed as 3-D. Returns (kv_cache, its format)."""
-    check(isinstance(q, torch.Tensor) and q.dim() == 4, f"q: expected [B, s_q, H, d], got {describe(q)}")
-    check(q.dtype in FLOAT, f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    check(isinstance(q, torch.Tensor) and q.dim() == 4, lambda: f"q: expected [B, s_q, H, d], got {describe(q)}")
+    check(q.dtype in FLOAT, lambda: f"q: expected float16, bfloat16 or float32, got {q.dtype}")
     if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
-        check(kv_cache.shape[2] == 1, f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
+        check(kv_cache.shape[2] == 1,
+              lambda: f"kv_cache: expected [num_blocks, block_size, 1, d], got {tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
     d = q.shape[-1]
     check_int("head_dim_v", head_dim_v, 1, d)
-    check(isinstance(kv_cache, torch.Tensor), f"kv_cache: expected a tensor, got {describe(kv_cache)}")
+    check(isinstance(kv_cache, torch.Tensor), lambda: f"kv_cache: expected a tensor, got {describe(kv_cache)}")
     fmt = quant.cache_format(kv_cache)
     width = quant.row_width(fmt, head_dim_v, d - head_dim_v)
     check(kv_cache.dim() == 3 and kv_cache.shape[-1] == width,
-          f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
-    check(fmt != "plain" or kv_cache.dtype == q.dtype, f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
+          lambda: f"kv_cache: expected [num_blocks, block_size, {width}] for {fmt} rows, got {describe(kv_cache)}")
+    check(fmt != "plain" or kv_cache.dtype == q.dtype,
+          lambda: f"kv_cache: expected dtype {q.dtype} (q's), got {kv_cache.dtype}")
     check(fmt != "fp8_tile" or head_dim_v % quant.TILE == 0,
-          f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
-    check(kv_cache.device == q.device, f"kv_cache: expected device {q.device}, got {kv_cache.device}")
+          lambda: f"head_dim_v: expected a multiple of {quant.TILE} for the FP8 tile layout, got {head_dim_v}")
+    check(kv_cache.device == q.device, lambda: f"kv_cache: expected device {q.device}, got {kv_cache.device}")
     return kv_cache, fmt

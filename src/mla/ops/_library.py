@@ -26,7 +26,7 @@ from . import reference
 from ._checks import (check, check_gather_values, check_index_values, check_interpretable, check_paged_values,
                       check_writable, host_offsets)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rope_append", "gather_latent",
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices", "sparse_mla_decode",
            "sparse_prefill_attention", "OPS"]
 
@@ -89,7 +89,7 @@ def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_
     is_reference = impl is reference.prefill_attention
     check_interpretable("prefill_attention", is_reference, q.device, q, k, v)
     check(kernel is None or not is_reference,
-          f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
+          lambda: f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
     if q.device.type == "cpu" or is_reference:
         # The offsets' values, checked on the one host copy this path makes anyway: free on CPU,
         # and the reference reads them back on CUDA too (it takes this copy instead). The CUDA
@@ -117,6 +117,16 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
 def _(out_a, lse_a, out_b, lse_b, backend):
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), \
         torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+
+
+@custom_op("mla::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: Optional[str]) -> Tensor:
+    return _fresh(_pick("rms_norm", backend, x.device, args=(x, weight, eps))(x, weight, eps))[0]
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, backend):
+    return x.new_empty(x.shape)
 
 
 # ---- the latent cache -----------------------------------------------------------------------
@@ -204,10 +214,10 @@ def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table:
     if q.device.type == "cpu":
         cq = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", None)
         for b, n in enumerate(cache_seqlens.tolist()):
-            check(n <= max_seqlen_k, f"max_seqlen_k: expected >= every cache_seqlens, got {max_seqlen_k} "
+            check(n <= max_seqlen_k, lambda: f"max_seqlen_k: expected >= every cache_seqlens, got {max_seqlen_k} "
                                      f"< {n} (sequence {b})")
             check(not causal or cq[b + 1] - cq[b] <= n,
-                  f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} queries "
+                  lambda: f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} queries "
                   f"(causal), got {n} for sequence {b}")
     impl = _pick("indexer_logits", backend, q.device)
     check_interpretable("indexer_logits", impl is reference.indexer_logits, q.device, q, index_cache)

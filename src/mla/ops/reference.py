@@ -15,7 +15,8 @@ import torch
 from ..quant import cache_format, dequantize_index, dequantize_rows, quantize_rows
 from ..rope import apply_rope
 
-__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rope_append", "gather_latent", "softmax_attend",
+__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rope_append", "gather_latent",
+           "softmax_attend",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 
@@ -138,6 +139,13 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     out_* [..., d], lse_* [...] float32 -> (out in out_a's dtype, lse float32).
     """
     return combine(torch.stack((out_a, out_b)), torch.stack((lse_a, lse_b)), out_a.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back, times weight (transformers' DeepseekV3RMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):

@@ -27,8 +27,8 @@ __all__ = ["indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefil
 def _check_indices(name: str, indices: torch.Tensor, shape: tuple, device) -> None:
     check(isinstance(indices, torch.Tensor) and indices.dim() == len(shape) and indices.dtype == torch.int32
           and tuple(indices.shape[:-1]) == shape[:-1],
-          f"{name}: expected int32 [{', '.join(map(str, shape))}], got {describe(indices)}")
-    check(indices.device == device, f"{name}: expected device {device}, got {indices.device}")
+          lambda: f"{name}: expected int32 [{', '.join(map(str, shape))}], got {describe(indices)}")
+    check(indices.device == device, lambda: f"{name}: expected device {device}, got {indices.device}")
 
 
 def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
@@ -50,20 +50,21 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
     for the keys a query sees, -inf elsewhere.
     """
     check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT,
-          f"q: expected float [Tq, n_heads, d], got {describe(q)}")
+          lambda: f"q: expected float [Tq, n_heads, d], got {describe(q)}")
     Tq, n_heads, d = q.shape
     check(isinstance(weights, torch.Tensor) and tuple(weights.shape) == (Tq, n_heads)
-          and weights.dtype == torch.float32, f"weights: expected float32 [{Tq}, {n_heads}], got {describe(weights)}")
+          and weights.dtype == torch.float32,
+          lambda: f"weights: expected float32 [{Tq}, {n_heads}], got {describe(weights)}")
     check(isinstance(index_cache, torch.Tensor) and index_cache.dim() == 3 and (
           (index_cache.dtype in FLOAT and index_cache.shape[-1] == d)
           or (index_cache.dtype == torch.uint8 and index_cache.shape[-1] == quant.index_width(d))),
-          f"index_cache: expected float [num_blocks, block_size, {d}] or FP8 key rows uint8 [num_blocks, "
+          lambda: f"index_cache: expected float [num_blocks, block_size, {d}] or FP8 key rows uint8 [num_blocks, "
           f"block_size, {quant.index_width(d)}], got {describe(index_cache)}")
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
-          f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+          lambda: f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
     B = block_table.shape[0]
     for name, t in (("weights", weights), ("index_cache", index_cache), ("block_table", block_table)):
-        check(t.device == q.device, f"{name}: expected device {q.device}, got {t.device}")
+        check(t.device == q.device, lambda: f"{name}: expected device {q.device}, got {t.device}")
     check_int_vector("cache_seqlens", cache_seqlens, B, q.device)
     check_int_vector("cu_seqlens_q", cu_seqlens_q, B + 1, q.device)
     check_int("max_seqlen_k", max_seqlen_k, 0)
@@ -88,16 +89,17 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend
     gets all of them.
     """
     check(isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32,
-          f"logits: expected float32 [Tq, K], got {describe(logits)}")
+          lambda: f"logits: expected float32 [Tq, K], got {describe(logits)}")
     check_int("topk", topk, 1)
     check_int("block_size", block_size, 1)
     check(isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32,
-          f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
-    check(block_table.device == logits.device, f"block_table: expected device {logits.device}, got {block_table.device}")
+          lambda: f"block_table: expected [B, max_blocks] int32, got {describe(block_table)}")
+    check(block_table.device == logits.device,
+          lambda: f"block_table: expected device {logits.device}, got {block_table.device}")
     B = block_table.shape[0]
     check_int_vector("cu_seqlens_q", cu_seqlens_q, B + 1, logits.device)
     check(block_table.shape[1] * block_size >= logits.shape[1] or logits.shape[0] == 0,
-          f"block_table: expected room for K = {logits.shape[1]} keys (max_blocks * block_size), got "
+          lambda: f"block_table: expected room for K = {logits.shape[1]} keys (max_blocks * block_size), got "
           f"{block_table.shape[1]} x {block_size}")
     resolve_backend(backend, logits.device)
     return _library.topk_indices(logits, topk, dense(block_table), dense(cu_seqlens_q), block_size, backend)
@@ -106,8 +108,8 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend
 def _check_sink(attn_sink, H: int, device) -> None:
     check(attn_sink is None or (isinstance(attn_sink, torch.Tensor) and tuple(attn_sink.shape) == (H,)
                                 and attn_sink.dtype == torch.float32),
-          f"attn_sink: expected None or float32 [{H}] (one logit per head), got {describe(attn_sink)}")
-    check(attn_sink is None or attn_sink.device == device, f"attn_sink: expected device {device}, "
+          lambda: f"attn_sink: expected None or float32 [{H}] (one logit per head), got {describe(attn_sink)}")
+    check(attn_sink is None or attn_sink.device == device, lambda: f"attn_sink: expected device {device}, "
                                                            f"got {getattr(attn_sink, 'device', None)}")
 
 
@@ -132,7 +134,7 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, *, kv_sca
     kv_cache, _ = check_latent_query_cache(q, kv_cache, head_dim_v)
     B, s_q = q.shape[:2]
     check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
-          f"indices: expected int32 [{B}, {s_q}, topk], got {describe(indices)}")
+          lambda: f"indices: expected int32 [{B}, {s_q}, topk], got {describe(indices)}")
     _check_indices("indices", indices, (B, s_q, indices.shape[-1]), q.device)
     _check_sink(attn_sink, q.shape[2], q.device)
     softmax_scale, kv_scale = as_float("softmax_scale", softmax_scale), as_float("kv_scale", kv_scale, positive=True)
@@ -154,13 +156,13 @@ def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, b
     the sink).
     """
     check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT,
-          f"q: expected float [s_q, H, d], got {describe(q)}")
+          lambda: f"q: expected float [s_q, H, d], got {describe(q)}")
     s_q, H, d = q.shape
     check(isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1:] == (1, d) and kv.dtype == q.dtype,
-          f"kv: expected {q.dtype} [s_kv, 1, {d}], got {describe(kv)}")
-    check(kv.device == q.device, f"kv: expected device {q.device}, got {kv.device}")
+          lambda: f"kv: expected {q.dtype} [s_kv, 1, {d}], got {describe(kv)}")
+    check(kv.device == q.device, lambda: f"kv: expected device {q.device}, got {kv.device}")
     check(isinstance(indices, torch.Tensor) and indices.dim() == 3,
-          f"indices: expected int32 [{s_q}, 1, topk], got {describe(indices)}")
+          lambda: f"indices: expected int32 [{s_q}, 1, topk], got {describe(indices)}")
     _check_indices("indices", indices, (s_q, 1, indices.shape[-1]), q.device)
     check_int("d_v", d_v, 1, d)
     _check_sink(attn_sink, H, q.device)

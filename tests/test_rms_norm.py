@@ -1,0 +1,81 @@
+"""mla.ops.rms_norm: the Triton kernel (interpreted on CPU, compiled on the GPU) against the
+reference formula and against float64, and its argument checks."""
+import pytest
+import torch
+
+from mla import ops
+from mla.ops import reference
+
+EPS = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}   # unit roundoff
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def exact(x, w, eps):
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,N", [(0, 7), (1, 1536), (5, 512), (3, 33), (2, 1)])
+def test_kernel_matches_reference(device, dtype, T, N):
+    g = torch.Generator().manual_seed(T * 1000 + N)
+    # a strided view: every other column of a wider buffer, rows at an odd stride
+    x = (torch.randn(T, 2 * N + 3, generator=g) * 3).to(dtype)[:, 3: 3 + 2 * N: 2].to(device)
+    w = torch.randn(N, generator=g).to(dtype).to(device)
+    got = ops.rms_norm(x, w, 1e-6, backend="triton")
+    want = reference.rms_norm(x, w, 1e-6)
+    assert got.shape == (T, N) and got.dtype == dtype and got.is_contiguous()
+    if T == 0:
+        return
+    u = EPS[dtype]
+    # both round the normalized row to dtype, then the product: each within 2 roundings of the
+    # exact value, plus the float32 statistics (a sum of N squares, an rsqrt of 2 ulps: 16
+    # float32 units covers it), so within twice that of each other
+    ref = exact(x.cpu(), w.cpu(), 1e-6)
+    scale = (w.double().abs().cpu() * (x.double().cpu() * torch.rsqrt(x.double().cpu().pow(2).mean(-1, keepdim=True)
+                                                                      + 1e-6)).abs())
+    bound = (2.1 * u + 16 * 2.0 ** -24) * scale + 1e-30
+    # Triton 3.6's interpreter narrows float32 to bfloat16 by truncation (each rounding up to
+    # 2 units); the GPU rounds to nearest
+    truncates = device == "cpu" and dtype == torch.bfloat16
+    assert ((got.cpu().double() - ref).abs() <= (2 if truncates else 1) * bound).all()
+    assert ((want.cpu().double() - ref).abs() <= bound).all()
+    assert ((got.cpu().double() - want.cpu().double()).abs() <= (3 if truncates else 2) * bound).all()
+    if dtype == torch.float16:     # no rounding flips in half's range here: the same bits
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_row_stays_in_its_row(device):
+    x = torch.randn(3, 64, device=device)
+    x[1, 5] = float("nan")
+    w = torch.ones(64, device=device)
+    got = ops.rms_norm(x, w, 1e-6, backend="triton")
+    assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all()
+    torch.testing.assert_close(got[[0, 2]], reference.rms_norm(x[[0, 2]], w, 1e-6), rtol=2 ** -22, atol=0)
+
+
+def test_wide_rows_take_the_reference():
+    from mla.ops import norm
+
+    x, w = torch.randn(2, norm.MAX_COLUMNS + 1), torch.randn(norm.MAX_COLUMNS + 1)
+    assert not norm.rms_norm.takes(x, w, 1e-6)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, backend="triton"), reference.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(4), torch.randn(4), 1e-6), "x: expected"),
+    ((torch.randn(2, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64), 1e-6), "x: expected"),
+    ((torch.randn(2, 0), torch.randn(0), 1e-6), "x: expected at least one column"),
+    ((torch.randn(2, 4), torch.randn(5), 1e-6), "weight: expected"),
+    ((torch.randn(2, 4), torch.randn(4, dtype=torch.float16), 1e-6), "weight: expected"),
+    ((torch.randn(2, 4), None, 1e-6), "weight: expected"),
+    ((torch.randn(2, 4), torch.randn(4), -1.0), "eps: expected"),
+    ((torch.randn(2, 4), torch.randn(4), float("nan")), "eps: expected"),
+    ((torch.randn(2, 4), torch.randn(4), True), "eps: expected"),
+    ((torch.randn(2, 4), torch.randn(4), "1e-6"), "eps: expected"),
+])
+def test_bad_arguments_are_refused_by_name(args, match):
+    with pytest.raises(ValueError, match=match):
+        ops.rms_norm(*args)
