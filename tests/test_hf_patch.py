@@ -214,6 +214,38 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
+@pytest.mark.parametrize("case", ["deepseek_v3", "mistral4", "minicpm3", "kimi_linear", "longcat_flash"])
+def test_graphs_generate_matches_eager(case, monkeypatch):
+    """patch(graphs=True): every decode step of every layer runs through the layer's StepGraph
+    (on CPU its static buffers, eagerly), prompts eagerly; the tokens are the unpatched model's
+    for batch 1 and a left-padded batch of 2."""
+    model = make_model(case, seed=GENERATE_SEEDS.get(case, 0))
+    requests = [prompts(1, seed=1), prompts(2, seed=2)]
+    refs = [greedy(model, ids, mask) for ids, mask in requests]
+    calls = []
+    real = mla.StepGraph.__call__
+    monkeypatch.setattr(mla.StepGraph, "__call__", lambda self, x, batch: calls.append(batch.num_seqs) or
+                        real(self, x, batch))
+    layers = NUM_MLA.get(case, family_case(case).make_config().num_hidden_layers)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
+        for (ids, mask), ref in zip(requests, refs):
+            calls.clear()
+            assert greedy(model, ids, mask).tolist() == ref.tolist(), f"{case}, batch {ids.shape[0]}"
+            # the first token comes from the prompt's forward, each later one from a decode step
+            assert calls == [ids.shape[0]] * (layers * (NEW_TOKENS - 1))
+        handle.release()
+        assert handle.cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_graphs_refused_where_a_graph_cannot_serve():
+    with pytest.raises(ValueError, match="graphs: 'deepseek_v32' has a sparse indexer"):
+        mla.hf.patch(make_model("deepseek_v32"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
+    model = make_model("deepseek_v3")
+    with pytest.raises(ValueError, match="graphs: expected True or False"):
+        mla.hf.patch(model, graphs="yes")
+    assert not stand_ins(model)
+
+
 def test_glm_shared_indexer_layers_generate_eager_tokens():
     """GLM-5 with shared indexer layers (1 and 3 reuse the top-k of 0 and 2): the patched model's
     layers share their top-k through the step's batch, and generate gives eager's tokens."""

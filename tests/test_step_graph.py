@@ -245,7 +245,7 @@ def test_constructor_arguments_are_checked():
                           (dict(good, s_q=171 * 8), "s_q: expected at most"),
                           (dict(good, buckets=()), "buckets"), (dict(good, buckets=(0, 2)), "buckets"),
                           (dict(good, buckets=(1.5,)), "buckets"), (dict(good, dtype="bf16"), "dtype"),
-                          (dict(good, input_shape=[256]), "input_shape")]:
+                          (dict(good, input_shape=[256]), "input_shape"), (dict(good, pool=3), "pool")]:
         with pytest.raises(ValueError, match=match):
             mla.StepGraph(step, cache, **kwargs)
     with pytest.raises(ValueError, match="step_fn"):

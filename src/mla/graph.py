@@ -68,7 +68,7 @@ class StepGraph:
 
     def __init__(self, step_fn: Callable, cache: PagedLatentCache, *, max_blocks_per_seq: int, s_q: int = 1,
                  buckets=DEFAULT_BUCKETS, dtype: torch.dtype = torch.bfloat16,
-                 input_shape: tuple[int, ...] | None = None):
+                 input_shape: tuple[int, ...] | None = None, pool=None):
         """step_fn(x, batch): the step, x [T, *input_shape] (T = batch.num_tokens) -> a tensor, or
             a tuple of tensors, of T rows; it may read only the batch's tensors (and pass the batch
             to mla.MLA layers): in a bucket its host fields are placeholders (``mla.Batch``).
@@ -78,7 +78,12 @@ class StepGraph:
         s_q: new tokens per sequence, 1 (decode) or 1 + k (MTP / speculative verify).
         buckets: batch sizes with a graph each; a batch runs in the smallest that holds it.
         dtype, input_shape: the dtype and per-token shape of x; default (hidden_size,), the
-            hidden states; () with torch.int64 for token ids, where step_fn embeds them."""
+            hidden states; () with torch.int64 for token ids, where step_fn embeds them.
+        pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to share with other
+            StepGraphs whose calls never overlap, e.g. one per layer of a model whose other
+            modules run between them (``mla.hf.patch``); default: a pool of this graph's own.
+            A graph's output is copied out before the call returns, so a later replay of any
+            graph in the pool may reuse every buffer it wrote."""
         if not callable(step_fn):
             raise ValueError(f"step_fn: expected a callable step_fn(x, batch), got {type(step_fn).__name__}")
         if not isinstance(cache, PagedLatentCache):
@@ -102,6 +107,8 @@ class StepGraph:
             raise ValueError(f"buckets: expected positive ints, got {buckets!r}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        if pool is not None and not isinstance(pool, tuple):
+            raise ValueError(f"pool: expected None or a torch.cuda.graph_pool_handle(), got {type(pool).__name__}")
         input_shape = (cache.cfg.hidden_size,) if input_shape is None else input_shape
         if not (isinstance(input_shape, tuple) and all(isinstance(d, int) and d > 0 for d in input_shape)):
             raise ValueError(f"input_shape: expected a tuple of positive ints, got {input_shape!r}")
@@ -119,7 +126,7 @@ class StepGraph:
         self._rows = 0          # sequences whose values the buffers hold; rows past them are padding
         self._batches = {b: self._static_batch(b) for b in sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}   # bucket -> (graph, its output)
-        self._pool = None       # one memory pool for every bucket's graph (they never run at once)
+        self._pool = pool       # one memory pool for every bucket's graph (they never run at once)
 
     # ---- the public surface ---------------------------------------------------------------
 

@@ -27,6 +27,15 @@ How one forward of the patched model runs:
 
 Static (compileable) caches and 4-D masks are refused: their masks do not say which tokens are
 padding, and mla holds the K/V those caches would preallocate.
+
+``graphs=True`` runs each patched layer's decode steps (one new token a row, up to 128 rows) in
+CUDA graphs, one ``mla.StepGraph`` a layer, all in one memory pool: eagerly a layer's step is
+about a millisecond of host time (its Python, each op's dispatch, a dozen kernel launches), so
+a patched model decodes far slower than transformers' compiled static-cache ``generate``;
+replayed, the host cost of a layer is the copy of the step's batch into the graph's buffers.
+Prompts, mixed and larger batches stay eager. Each batch size's graphs are captured at its
+first decode step. Sparse-indexer families are refused there (their step reads each
+sequence's length on the host).
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ from torch import nn
 
 from .cache import PagedLatentCache
 from .config import MLAConfig
+from .graph import StepGraph
 from .layer import MLA
 
 __all__ = ["patch", "patch_config", "PatchHandle"]
@@ -51,7 +61,7 @@ def _is_mla_attention(module: nn.Module) -> bool:
 
 def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: torch.dtype | None = None,
           backend: str = "auto", num_blocks: int = 256, block_size: int = 64,
-          max_workspace_tokens: int | None = None) -> "PatchHandle":
+          max_workspace_tokens: int | None = None, graphs: bool = False) -> "PatchHandle":
     """Swap every MLA attention module of ``model`` (a transformers model of an exact MLA family,
     e.g. ``DeepseekV3ForCausalLM``) for ``mla.MLA`` on one shared ``PagedLatentCache``.
 
@@ -60,14 +70,17 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
         blocks of ``block_size`` tokens.
     dtype: the layers' and the created cache's dtype; None takes the modules' parameter dtype.
     backend: as ``mla.MLA``'s ("auto" | "torch" | "triton").
+    graphs: replay each layer's decode steps from CUDA graphs (module docstring); on CPU the
+        same static buffers run eagerly.
 
     Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.release()`` (return
     the current request's blocks now) and ``handle.unpatch()`` (restore the original modules).
     Raises NotImplementedError (naming the model_type) for a family ``from_hf`` refuses, and
-    ValueError for a model without MLA attention modules or an unusable cache.
+    ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` for
+    a family with a sparse indexer.
     """
     return PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks,
-                       block_size=block_size, max_workspace_tokens=max_workspace_tokens)
+                       block_size=block_size, max_workspace_tokens=max_workspace_tokens, graphs=graphs)
 
 
 @dataclasses.dataclass
@@ -80,11 +93,12 @@ class _Step:
 class _MLAAttention(nn.Module):
     """Stands in for one transformers MLA attention module: same call, ``(output, None)`` back."""
 
-    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int):
+    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int, graph: StepGraph | None):
         super().__init__()
         self.mla = layer
         self.layer_idx = hf_layer_idx          # the module's index in transformers' Cache
         self._handle = [handle]                # a list, so nn.Module does not register it
+        self._graph = [graph]                  # the layer's decode-step graphs (patch(graphs=True)) or None
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
         step = self._handle[0]._current_step()
@@ -97,7 +111,10 @@ class _MLAAttention(nn.Module):
         if step.batch is not None:
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
-            y = self.mla(x.to(self.mla.dtype).contiguous(), step.batch).to(hidden_states.dtype)
+            x = x.to(self.mla.dtype).contiguous()
+            graph = self._graph[0]
+            run = graph if graph is not None and graph.fits(step.batch) else self.mla
+            y = run(x, step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
             else:
@@ -134,8 +151,13 @@ def _numbered(cfg: MLAConfig) -> MLAConfig:
 class PatchHandle:
     """The patch of one model: its layers, its cache, and the request it is serving."""
 
-    def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens):
+    def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens, graphs=False):
         cfg, model_type = _configs(model)
+        if not isinstance(graphs, bool):
+            raise ValueError(f"graphs: expected True or False, got {graphs!r}")
+        if graphs and cfg.has_indexer:
+            raise ValueError(f"graphs: {model_type!r} has a sparse indexer, whose step reads each sequence's length "
+                             "on the host; a CUDA graph cannot serve it (patch with graphs=False)")
         # GLM-5's, GLM-5.3-Flash's and Hy4's decoder layers take a third output from attention,
         # its top-k, and hand it to the next layer as prev_topk_indices (the shared layers reuse
         # it). The stand-ins return None there: mla's layers share their selection through the
@@ -169,13 +191,19 @@ class PatchHandle:
         self.layers: list[MLA] = []
         self._swapped = []                     # (parent, attribute name, original module)
         stand_ins = []
+        # one pool for every layer's graphs: the layers' steps never overlap, and each graph's
+        # output is copied out before the next module runs
+        pool = torch.cuda.graph_pool_handle() if graphs and cache.device.type == "cuda" else None
+        # the widest table a sequence can have: the pool, or the model's positions
+        width = min(cache.num_blocks, -(-self.cfg.max_position_embeddings // cache.block_size))
         for i, (name, module) in enumerate(sites):
             layer = MLA(self.cfg, layer_idx=i, dtype=dtype, device=device, backend=backend, **kw)
             layer.load_hf_state_dict({k: v.detach() for k, v in module.state_dict().items()}, prefix="")
             self.layers.append(layer)
+            graph = StepGraph(layer, cache, max_blocks_per_seq=width, dtype=dtype, pool=pool) if graphs else None
             parent_name, _, attr = name.rpartition(".")
             stand_ins.append((model.get_submodule(parent_name), attr, module,
-                              _MLAAttention(self, layer, getattr(module, "layer_idx", i))))
+                              _MLAAttention(self, layer, getattr(module, "layer_idx", i), graph)))
         # Swap only once every layer has loaded: a failed load leaves the model as it was.
         for parent, attr, module, stand_in in stand_ins:
             setattr(parent, attr, stand_in)    # ModuleList children are set by their string index too
