@@ -35,7 +35,7 @@ def as_float(name: str, x, positive: bool = False) -> float:
     except (TypeError, ValueError, RuntimeError):
         f = None
     ok = f is not None and math.isfinite(f) and (f > 0 or not positive)
-    check(ok, f"{name}: expected a finite real number{' > 0' if positive else ''}, got {x!r}"[:200])
+    check(ok, lambda: f"{name}: expected a finite real number{' > 0' if positive else ''}, got {x!r}"[:200])
     return f
 
 
@@ -49,7 +49,7 @@ def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> Non
 
 def check_flag(name: str, x) -> None:
     """A switch: True or False only (bool("false") and bool(tensor) would silently read as True)."""
-    check(isinstance(x, bool), f"{name}: expected a bool, got {x!r}"[:200])
+    check(isinstance(x, bool), lambda: f"{name}: expected a bool, got {x!r}"[:200])
 
 
 def check_writable(name: str, t: torch.Tensor) -> None:
@@ -97,8 +97,9 @@ def host_offsets(name: str, cu: torch.Tensor, rows: str, total: int, hint_name: 
     """cu's values on the host (``offsets_ok``); a host copy the caller gave (``hint``) must hold
     the same values."""
     h = cu.tolist()
-    check(offsets_ok(h, total), f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
-    check(hint is None or list(hint) == h, f"{hint_name}: expected {name}'s values {h}, got {hint!r}"[:300])
+    check(offsets_ok(h, total),
+          lambda: f"{name}: expected non-decreasing offsets from 0 to {rows} = {total}, got {h}"[:300])
+    check(hint is None or list(hint) == h, lambda: f"{hint_name}: expected {name}'s values {h}, got {hint!r}"[:300])
     return h
 
 
