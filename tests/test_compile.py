@@ -170,6 +170,29 @@ def test_opcheck(case, backend):
                           ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_take_it(monkeypatch):
+    """A plain eager call runs the op's body; under a dispatch mode (FakeTensorMode) or with an
+    input autograd follows, the call goes through the registered op (its fake, its refusal to
+    backpropagate)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mla.ops import _library
+
+    x, w = torch.randn(3, 8), torch.randn(8)
+    want = ops.rms_norm(x, w, 1e-6, backend="torch")
+    through = []
+    real = _library.rms_norm.op
+    monkeypatch.setattr(_library.rms_norm, "op", lambda *a: through.append(1) or real(*a))
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, backend="torch"), want) and through == []
+    with FakeTensorMode() as mode:
+        y = ops.rms_norm(mode.from_tensor(x), mode.from_tensor(w), 1e-6)
+    assert type(y).__name__ == "FakeTensor" and y.shape == (3, 8) and through == [1]
+    y = ops.rms_norm(x.clone().requires_grad_(), w, 1e-6, backend="torch")
+    assert through == [1, 1] and torch.equal(y.detach(), want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        y.sum().backward()
+
+
 def _clone(x):
     return x.clone() if isinstance(x, torch.Tensor) else x
 

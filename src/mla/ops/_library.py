@@ -9,6 +9,7 @@ the op rather than in the wrapper because the wrapper also runs while ``torch.co
 on FakeTensors that hold no values; inside the op they run whenever the op runs, eagerly or
 from a compiled graph, before anything is written. Each op has a fake implementation that
 allocates the outputs' shapes and dtypes and computes nothing (the only thing a trace needs).
+A plain eager call runs the body without the dispatcher (``_Op``).
 
 Arguments are the op's tensors plus host values of the types a ``torch.library`` schema holds
 (int, float, bool, str, int[], ScalarType, each optionally None). Outputs are fresh contiguous
@@ -31,6 +32,43 @@ __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "ro
            "sparse_prefill_attention", "OPS"]
 
 
+class _Op:
+    """One public op: its body ``fn``, registered as the custom op ``name``. A call runs the body
+    itself in plain eager use, and the registered op wherever something traces or transforms the
+    call: ``torch.compile``, a dispatch mode (FakeTensorMode, export's), a tensor subclass, or
+    autograd over an input that requires a gradient (the op has no backward, and says so). Both
+    run the same code; the dispatcher's Python layers around it cost about as much as the body
+    of a small op (some 60 us a call on a CPU), where an eager decode step makes a few a layer."""
+
+    def __init__(self, name: str, fn, mutates_args):
+        self.body = fn
+        self.op = custom_op(name, fn, mutates_args=mutates_args)
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+
+    def __call__(self, *args):
+        return self.body(*args) if _direct(args) else self.op(*args)
+
+    def register_fake(self, fn):
+        return self.op.register_fake(fn)
+
+
+def _op(name: str, *, mutates_args):
+    return lambda fn: _Op(name, fn, mutates_args)
+
+
+def _direct(args) -> bool:
+    """Whether a call may skip the dispatcher (``_Op``): nothing compiling or in a dispatch mode,
+    every tensor argument a plain tensor (or parameter) that autograd does not follow."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor) and ((type(a) is not Tensor and type(a) is not torch.nn.Parameter)
+                                      or (grad and a.requires_grad)):
+            return False
+    return True
+
+
 def _pick(op: str, backend: Optional[str], device: torch.device, cache_format: str = "plain", args: tuple = ()):
     # mla.ops imports this module at its top, and defines _impl (the one dispatch) before any op runs
     from . import _impl
@@ -45,7 +83,7 @@ def _fresh(*tensors: Tensor):
 
 # ---- attention ------------------------------------------------------------------------------
 
-@custom_op("mla::mla_decode", mutates_args=())
+@_op("mla::mla_decode", mutates_args=())
 def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, head_dim_v: int,
                softmax_scale: float, causal: bool, kv_scale: float, backend: Optional[str],
                pdl: bool) -> Tuple[Tensor, Tensor]:
@@ -66,7 +104,7 @@ def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal
     return q.new_empty(B, s_q, H, head_dim_v), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-@custom_op("mla::prefill_attention", mutates_args=())
+@_op("mla::prefill_attention", mutates_args=())
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                       softmax_scale: float, causal: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                       offsets_q: Optional[List[int]], offsets_k: Optional[List[int]], backend: Optional[str],
@@ -107,7 +145,7 @@ def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_
                 offsets_q, offsets_k, **options)
 
 
-@custom_op("mla::merge_attention", mutates_args=())
+@_op("mla::merge_attention", mutates_args=())
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
                     backend: Optional[str]) -> Tuple[Tensor, Tensor]:
     return _fresh(*_pick("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b))
@@ -119,7 +157,7 @@ def _(out_a, lse_a, out_b, lse_b, backend):
         torch.empty_like(lse_a, memory_format=torch.contiguous_format)
 
 
-@custom_op("mla::rms_norm", mutates_args=())
+@_op("mla::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: Optional[str]) -> Tensor:
     return _fresh(_pick("rms_norm", backend, x.device, args=(x, weight, eps))(x, weight, eps))[0]
 
@@ -131,7 +169,7 @@ def _(x, weight, eps, backend):
 
 # ---- the latent cache -----------------------------------------------------------------------
 
-@custom_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache"))
+@_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache"))
 def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 slot_mapping: Tensor, interleave: bool, kv_scale: float, backend: Optional[str]) -> None:
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
@@ -155,7 +193,7 @@ def _(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, 
     return None
 
 
-@custom_op("mla::gather_latent", mutates_args=())
+@_op("mla::gather_latent", mutates_args=())
 def gather_latent(kv_cache: Tensor, block_table: Tensor, starts: Tensor, cu_seqlens: Tensor, num_tokens: int,
                   backend: Optional[str]) -> Tensor:
     check_gather_values(block_table, starts, cu_seqlens, num_tokens, kv_cache.shape[0], kv_cache.shape[1])
@@ -171,7 +209,7 @@ def _(kv_cache, block_table, starts, cu_seqlens, num_tokens, backend):
 
 # ---- block-scaled FP8 GEMMs -----------------------------------------------------------------
 
-@custom_op("mla::quantize_act_1x128", mutates_args=())
+@_op("mla::quantize_act_1x128", mutates_args=())
 def quantize_act_1x128(x: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
     return _fresh(*_pick("quantize_act_1x128", backend, x.device)(x))
 
@@ -182,7 +220,7 @@ def _(x, backend):
     return x.new_empty(M, K, dtype=torch.float8_e4m3fn), x.new_empty(M, (K + 127) // 128, dtype=torch.float32)
 
 
-@custom_op("mla::fp8_linear", mutates_args=())
+@_op("mla::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
                backend: Optional[str]) -> Tensor:
     return _pick("fp8_linear", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
@@ -193,7 +231,7 @@ def _(x, weight, weight_scale_inv, out_dtype, backend):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
-@custom_op("mla::fp8_bmm", mutates_args=())
+@_op("mla::fp8_bmm", mutates_args=())
 def fp8_bmm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
             backend: Optional[str]) -> Tensor:
     return _pick("fp8_bmm", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
@@ -206,7 +244,7 @@ def _(x, weight, weight_scale_inv, out_dtype, backend):
 
 # ---- sparse MLA -----------------------------------------------------------------------------
 
-@custom_op("mla::indexer_logits", mutates_args=())
+@_op("mla::indexer_logits", mutates_args=())
 def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
                    cu_seqlens_q: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool,
                    backend: Optional[str] = None) -> Tensor:
@@ -231,7 +269,7 @@ def _(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seq
     return q.new_empty(q.shape[0], max_seqlen_k, dtype=torch.float32)
 
 
-@custom_op("mla::topk_indices", mutates_args=())
+@_op("mla::topk_indices", mutates_args=())
 def topk_indices(logits: Tensor, topk: int, block_table: Tensor, cu_seqlens_q: Tensor, block_size: int,
                  backend: Optional[str] = None) -> Tensor:
     if logits.device.type == "cpu":
@@ -245,7 +283,7 @@ def _(logits, topk, block_table, cu_seqlens_q, block_size, backend=None):
     return logits.new_empty(logits.shape[0], topk, dtype=torch.int32)
 
 
-@custom_op("mla::sparse_mla_decode", mutates_args=())
+@_op("mla::sparse_mla_decode", mutates_args=())
 def sparse_mla_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, head_dim_v: int, softmax_scale: float,
                       kv_scale: float, attn_sink: Optional[Tensor] = None,
                       backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
@@ -261,7 +299,7 @@ def _(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink=None,
     return q.new_empty(B, s_q, H, head_dim_v), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-@custom_op("mla::sparse_prefill_attention", mutates_args=())
+@_op("mla::sparse_prefill_attention", mutates_args=())
 def sparse_prefill_attention(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int,
                              attn_sink: Optional[Tensor] = None,
                              backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
