@@ -98,7 +98,7 @@ class _MLAAttention(nn.Module):
         self.mla = layer
         self.layer_idx = hf_layer_idx          # the module's index in transformers' Cache
         self._handle = [handle]                # a list, so nn.Module does not register it
-        self._graph = [graph]                  # the layer's decode-step graphs (patch(graphs=True)) or None
+        self.graph = graph                     # the layer's decode-step graphs (patch(graphs=True)) or None
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
         step = self._handle[0]._current_step()
@@ -112,8 +112,7 @@ class _MLAAttention(nn.Module):
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
             x = x.to(self.mla.dtype).contiguous()
-            graph = self._graph[0]
-            run = graph if graph is not None and graph.fits(step.batch) else self.mla
+            run = self.graph if self.graph is not None and self.graph.fits(step.batch) else self.mla
             y = run(x, step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
