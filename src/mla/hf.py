@@ -88,6 +88,7 @@ class _Step:
     """What every stand-in of one forward shares."""
     batch: Any                  # mla.Batch, or None when no row brings a real token
     index: torch.Tensor | None  # [T] flat rows (b * S + s) of the real tokens; None: all B * S rows
+    graphed: bool = False       # every layer's StepGraph serves the batch (patch(graphs=True))
 
 
 class _MLAAttention(nn.Module):
@@ -112,7 +113,7 @@ class _MLAAttention(nn.Module):
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
             x = x.to(self.mla.dtype).contiguous()
-            run = self.graph if self.graph is not None and self.graph.fits(step.batch) else self.mla
+            run = self.graph if step.graphed else self.mla
             y = run(x, step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
@@ -188,6 +189,7 @@ class PatchHandle:
         self.model, self.cache, self.model_type = model, cache, model_type
         kw = {} if max_workspace_tokens is None else {"max_workspace_tokens": max_workspace_tokens}
         self.layers: list[MLA] = []
+        self._graphs: list[StepGraph] = []     # one a layer with graphs=True, all alike in what they serve
         self._swapped = []                     # (parent, attribute name, original module)
         stand_ins = []
         # one pool for every layer's graphs: the layers' steps never overlap, and each graph's
@@ -200,6 +202,8 @@ class PatchHandle:
             layer.load_hf_state_dict({k: v.detach() for k, v in module.state_dict().items()}, prefix="")
             self.layers.append(layer)
             graph = StepGraph(layer, cache, max_blocks_per_seq=width, dtype=dtype, pool=pool) if graphs else None
+            if graph is not None:
+                self._graphs.append(graph)
             parent_name, _, attr = name.rpartition(".")
             stand_ins.append((model.get_submodule(parent_name), attr, module,
                               _MLAAttention(self, layer, getattr(module, "layer_idx", i), graph)))
@@ -307,7 +311,8 @@ class PatchHandle:
         requests = [(s, n) for s, n in zip(self._seq_ids, num_new) if n > 0]
         batch = self.cache.prepare(requests) if requests else None
         index = None if bool(new.all()) else new.reshape(-1).nonzero().squeeze(1)
-        self._step = _Step(batch, index)
+        # the layers' graphs have the same buckets, width and s_q: one asks for all
+        self._step = _Step(batch, index, batch is not None and bool(self._graphs) and self._graphs[0].fits(batch))
         self._past_cache = past_cache
         self._columns = None                   # set again when the forward completes
         self._pending = past + S
