@@ -1,5 +1,6 @@
-"""Sparse MLA on the GPU: the Triton kernels of ``indexer_logits``, ``topk_indices``,
-``sparse_mla_decode`` and ``sparse_prefill_attention`` against the reference on real shapes
+"""Sparse MLA on the GPU: the kernels of ``indexer_logits``, ``topk_indices``,
+``sparse_mla_decode`` and ``sparse_prefill_attention`` (Triton; the Gluon seesaw for bf16 rows
+on Hopper) against the reference on real shapes
 (DeepSeek-V3.2: latent 512 + rope 64, topk up to 2048, index heads 64 x 128), and a sparse
 layer through them against the reference path. Tolerance: 2x PyTorch's own bf16 error against
 a float64 oracle, as the dense kernels' tests."""
@@ -121,6 +122,36 @@ def test_sparse_prefill_kernel(H):
     want_o, want_l = _attend(q.double(), rows, valid, R, scale, torch.float64)
     low_o, low_l = _attend(q.double(), rows, valid, R, scale, torch.bfloat16)
     assert _rel(out, want_o) <= 2 * _rel(low_o, want_o)
+    assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
+
+
+@pytest.mark.parametrize("H,N,topk,splits,sink", [(128, 5, 2048, 3, False), (64, 7, 300, 2, True),
+                                                   (100, 9, 513, None, True), (128, 6, 77, 1, False)])
+def test_sparse_gluon_seesaw(H, N, topk, splits, sink):
+    """The Hopper kernel (``decode.gluon.sparse``) with forced split counts (float32 partials and
+    the combine), a sink in split 0 only, head counts off its 64-head tile, rows [s_kv, 1, 576]."""
+    from mla.ops.decode.gluon import sparse as gluon_sparse
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need sm90")
+    g = torch.Generator(device="cuda").manual_seed(H + N + topk)
+    s_kv = 4000
+    q = torch.randn(N, H, R + DR, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, R + DR, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(N, s_kv, device="cuda", generator=g).argsort(-1)[:, :topk].int()
+    idx[::3, -7:] = -1
+    unused = torch.ones(s_kv, dtype=torch.bool, device="cuda")
+    unused[idx[idx >= 0].long()] = False
+    kv[unused] = float("nan")
+    scale = 1 / math.sqrt(192)
+    s = torch.randn(H, device="cuda", generator=g) if sink else None
+    assert gluon_sparse.supports(q, kv, R)
+    out, lse = gluon_sparse.launch(q, kv, idx, R, scale, s, num_splits=splits)
+    valid = idx >= 0
+    rows = kv[:, 0].double().nan_to_num()[idx.long().clamp(min=0)]
+    want_o, want_l = _attend(q.double(), rows, valid, R, scale, torch.float64, s)
+    low_o, low_l = _attend(q.double(), rows, valid, R, scale, torch.bfloat16, s)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert _rel(out, want_o) <= 2 * _rel(low_o, want_o), (_rel(out, want_o), _rel(low_o, want_o))
     assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
 
 

@@ -2,7 +2,7 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,narrow} [--block-b 32] [--partials bf16]
+    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,narrow,sparse} [--block-b 32] [--partials bf16]
 
 Each kernel is compiled from the module as it is (no source edits), with the constexprs a
 launch at 16 heads (FP8, narrow) or 128 heads (seesaw), page 64, would give it.
@@ -119,16 +119,35 @@ def narrow_kernel(m=None, block_b: int = BLOCK_B):
     return compile_gluon(m._narrow_kernel, _bf16_sig({}, "*fp32"), cx, _ALIGNED, maxnreg=168)     # float32 partials
 
 
+def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64):
+    """the sparse Gluon kernel (the seesaw over gathered rows) on bf16 rows, 128 heads, BN-key
+    tiles; bf16: one split, out by TMA; fp32: float32 partials from registers."""
+    if m is None:
+        from mla.ops.decode.gluon import sparse as m
+    bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    ints = ["stride_qn", "stride_qh", "stride_row", "stride_in", "stride_os", "stride_on", "stride_oh", "stride_ls",
+            "stride_ln", "H", "num_slots", "topk", "chunk", "num_splits", "has_sink"]
+    sig = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "SINK": "*fp32", "O": "*" + partials, "LSE": "*fp32",
+           "o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>", "qk_scale": "fp32", **{k: "i32" for k in ints}}
+    cx = {"BN": BN, "dtype": gl.bfloat16, "SM_L": gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16),
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, BN], gl.bfloat16), "TMA_OUT": partials != "fp32",
+          "num_warps": 4}
+    aligned = ["Q", "KV", "IDX", "O", "LSE", "stride_qn", "stride_qh", "stride_row", "stride_in", "stride_os",
+               "stride_on", "stride_oh", "stride_ls", "stride_ln"]
+    return compile_gluon(m._sparse_kernel, sig, cx, aligned, maxnreg=168)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow"])
+    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow", "sparse"])
     p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
     p.add_argument("--partials", default=PARTIALS, choices=["bf16", "fp32"], help="the partial outputs' dtype")
     a = p.parse_args()
     k = {"fp8": lambda: fp8_kernel(block_b=a.block_b, partials=a.partials),
          "fp8tile": lambda: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
          "seesaw": lambda: seesaw_kernel(block_b=a.block_b, partials=a.partials),
-         "narrow": lambda: narrow_kernel(block_b=a.block_b)}[a.kernel]()
+         "narrow": lambda: narrow_kernel(block_b=a.block_b),
+         "sparse": lambda: sparse_kernel(partials=a.partials)}[a.kernel]()
     usage, ops = sass_counts(k)
     print(f"shared {k.metadata.shared} B; {usage}")
     print(dict(sorted(ops.items())))

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ._jit import jit, kv_fmt, num_sms
 from .decode.combine import combine
+from .decode.gluon import sparse as gluon_sparse
 from .latent_rows import attend_tile, finish, latent_tile, query_rows
 
 __all__ = ["sparse_mla_decode", "sparse_prefill_attention", "SparseConfig", "schedule", "launch"]
@@ -134,8 +135,12 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
            config: SparseConfig | None = None):
     """Sparse attention of q [N, H, d] over kv_rows [num_blocks, block_size, width] (a paged cache,
     or [s_kv, 1, d] rows: block_size 1) at indices [N, topk] int32 flat slots (-1 = none).
-    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. config overrides the
-    schedule (tests, benchmarks)."""
+    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. Rows in q's dtype on a
+    Hopper GPU run the Gluon seesaw (``decode.gluon.sparse``, where it takes the shapes); the
+    rest, or any call with a config (the Triton kernel's schedule: tests, benchmarks), this
+    module's kernel."""
+    if config is None and gluon_sparse.supports(q, kv_rows, head_dim_v):
+        return gluon_sparse.launch(q, kv_rows, indices, head_dim_v, softmax_scale, attn_sink)
     N, H, d = q.shape
     topk = indices.shape[-1]
     out = torch.empty(N, H, head_dim_v, dtype=q.dtype, device=q.device)

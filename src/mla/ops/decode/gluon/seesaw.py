@@ -6,7 +6,8 @@ their dtype, of FP8 rows (float8_e4m3fn, per-tensor kv_scale) or of FP8 tile row
 ``mla.quant``); d = 576 with head_dim_v = 512, block_size a multiple of 64 and cache rows laid
 out as one 2-D matrix (unit column stride): ``common.supports``. Anything else runs the portable
 kernel. ``narrow`` and ``fp8`` are the other Hopper kernels (few query rows; FP8 rows with few
-query rows); ``mla.ops.decode.choose_kernel`` chooses.
+query rows); ``mla.ops.decode.choose_kernel`` chooses. ``sparse`` runs the two warpgroups below
+over gathered rows (their ``sp`` argument).
 
 Grid (ceil(H * s_q / 64), splits * B): 64 query rows m = i * H + h (zero-padded) against one
 share of one sequence's keys. The split count comes from shapes only (no host sync, so a decode
@@ -68,8 +69,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (BLOCK_M, D_QK, D_V, LOG2E, TILE_LD_L, default_splits, descriptors, launch_dependents, loader,
-                     pdl_launch, plan_and_block, supports, wait_prerequisites, widen, zero_tail)
+from .common import (BLOCK_M, D_QK, D_V, LOG2E, TILE_LD_L, default_splits, descriptors, key_mask, launch_dependents,
+                     loader, pdl_launch, plan_and_block, sink_start, supports, wait_gathered, wait_prerequisites, widen,
+                     zero_tail)
 
 __all__ = ["launch", "default_block_n"]
 
@@ -86,7 +88,8 @@ def _s_layout(BN):
 def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
         BN: gl.constexpr, S_L: gl.constexpr, WIDENED: gl.constexpr):
     """S = Q K^T for one BN-key tile, box by box as the loads land; zero the tail rows first.
-    WIDENED: the tile was written by ``widen`` (complete, tail rows already zero)."""
+    WIDENED: the tile is complete, tail rows already zero (written by ``widen``, or gathered:
+    ``common.gather_loader``)."""
     if not WIDENED and n0 + BN > end:   # tail tile: wait for everything, zero rows >= end
         for c in gl.static_range(9):
             mbarrier.wait(ready.index(buf * 9 + c), phase)
@@ -106,10 +109,14 @@ def _qk(q_smem, qpe, k_buf, kpe_buf, ready, buf, phase, n0, end,
 
 
 @gluon.jit
-def _scaled(s, n0, end, limit, full_to, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+def _scaled(s, n0, end, limit, full_to, qk_scale, BN: gl.constexpr, S_L: gl.constexpr, ok=None):
     """Scores in base 2, -inf where a row does not see the key. Keys below full_to are seen by
     every row of the tile: a tile below it skips the mask (all but the last tile or two of a
-    split; the mask is a compare and a select per score on the softmax's critical path)."""
+    split; the mask is a compare and a select per score on the softmax's critical path).
+    ok: gathered keys (``mla.ops.decode.gluon.sparse``), [BN] which of the tile's keys exist;
+    it replaces the positional mask."""
+    if ok is not None:
+        return gl.where(ok[None, :], s * qk_scale, float("-inf"))
     if n0 + BN <= full_to:
         return s * qk_scale
     n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
@@ -118,18 +125,18 @@ def _scaled(s, n0, end, limit, full_to, qk_scale, BN: gl.constexpr, S_L: gl.cons
 
 
 @gluon.jit
-def _probs(s, n0, end, limit, full_to, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+def _probs(s, n0, end, limit, full_to, m_ref, qk_scale, BN: gl.constexpr, S_L: gl.constexpr, ok=None):
     """Masked scores in base 2 -> (P, new max, rescale of the old max, row sums of P)."""
-    p, m_new, rs = _probs_own(s, n0, end, limit, full_to, m_ref, qk_scale, BN, S_L)
+    p, m_new, rs = _probs_own(s, n0, end, limit, full_to, m_ref, qk_scale, BN, S_L, ok)
     return p, m_new, gl.exp2(m_ref - gl.where(m_new == float("-inf"), 0.0, m_new)), rs
 
 
 @gluon.jit
-def _probs_own(s, n0, end, limit, full_to, m_prev, qk_scale, BN: gl.constexpr, S_L: gl.constexpr):
+def _probs_own(s, n0, end, limit, full_to, m_prev, qk_scale, BN: gl.constexpr, S_L: gl.constexpr, ok=None):
     """WG1's exponentials before WG0's row max is known: against its own reference
     m_own = max(m_prev, rowmax S) -> (P', m_own, row sums of P'); ``_rebase`` later moves them
     to the shared reference."""
-    s = _scaled(s, n0, end, limit, full_to, qk_scale, BN, S_L)
+    s = _scaled(s, n0, end, limit, full_to, qk_scale, BN, S_L, ok)
     m_own = gl.maximum(m_prev, gl.max(s, axis=1))
     p = gl.exp2(s - gl.where(m_own == float("-inf"), 0.0, m_own)[:, None])
     return p, m_own, gl.sum(p, axis=1)
@@ -233,8 +240,10 @@ def _add_other_l(l_i, mine, theirs, l_bar, ROW_L: gl.constexpr):
 
 
 @gluon.jit
-def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
-    """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L."""
+def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
+    """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L.
+    sp: gathered keys (``mla.ops.decode.gluon.sparse``: the loader's one barrier a tile, keys
+    masked by their index, the softmax started from the attention sink); None: paged keys."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
      o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
      qk_scale, v_scale, st8, o_desc, o_row0) = a
@@ -247,8 +256,12 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     qpe = _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 0, S_L)
     limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
-    m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
-    l_i = gl.full([64], 0.0, gl.float32, ROW_L)
+    if sp is not None:
+        m_i = sink_start(sp, ml, H, ROW_L)
+        l_i = gl.where(m_i == float("-inf"), 0.0, 1.0)      # the sink: one key of weight 2^(sink - m)
+    else:
+        m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
+        l_i = gl.full([64], 0.0, gl.float32, ROW_L)
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
     for i in range((n_tiles + 1) // 2):
         ph = i & 1                                # p_ready / p_free phase
@@ -257,13 +270,18 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
         b1 = b0 + 1
         n0 = start + 2 * i * BN
         has1 = 2 * i + 1 < n_tiles
+        if sp is not None:
+            ok = key_mask(sp, n0, end, gl.SliceLayout(0, S_L), BN)
+            wait_gathered(ready, b0, kph)
+        else:
+            ok = None
         if KV_FMT != 0:   # both warpgroups done with tile 2i - 2
             mbarrier.wait(empty.index(2 * b0), kph ^ 1)
             mbarrier.wait(empty.index(2 * b0 + 1), kph ^ 1)
             widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
         s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L,
-                KV_FMT != 0)
-        p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L)
+                KV_FMT != 0 or sp is not None)
+        p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L, ok)
         l_i = l_i * a0 + rs
         p16 = p.to(dtype)
         # hand P0, m0, a0 to WG1 once it has consumed the previous ones
@@ -294,8 +312,9 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
 
 
 @gluon.jit
-def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
-    """Odd tiles: S1 alongside WG0's S0, O_R += P0 V0_R, softmax against m0, O_R += P1 V1_R."""
+def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
+    """Odd tiles: S1 alongside WG0's S0, O_R += P0 V0_R, softmax against m0, O_R += P1 V1_R.
+    sp: as ``_wg0``'s."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
      o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
      qk_scale, v_scale, st8, o_desc, o_row0) = a
@@ -309,7 +328,10 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
     qpe = _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 1, S_L)
     limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
-    m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
+    if sp is not None:     # WG0 counts the sink's weight; both start from its reference
+        m_prev = sink_start(sp, ml, H, ROW_L)
+    else:
+        m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
     for i in range((n_tiles + 1) // 2):
         ph = i & 1
@@ -318,17 +340,23 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
         b1 = b0 + 1
         n1 = start + (2 * i + 1) * BN
         has1 = 2 * i + 1 < n_tiles
+        if sp is not None:
+            ok = key_mask(sp, n1, end, gl.SliceLayout(0, S_L), BN)      # none past end
+        else:
+            ok = None
         if has1:
+            if sp is not None:
+                wait_gathered(ready, b1, kph)
             if KV_FMT != 0:
                 mbarrier.wait(empty.index(2 * b1), kph ^ 1)
                 mbarrier.wait(empty.index(2 * b1 + 1), kph ^ 1)
                 widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), n1, end, KV_FMT)
             s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L,
-                    KV_FMT != 0)
+                    KV_FMT != 0 or sp is not None)
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)
         # the exponentials against this warpgroup's own reference, alongside WG0's softmax
-        p, m_own, rs = _probs_own(s, n1, end, limit, full_to, m_prev, qk_scale, BN, S_L)
+        p, m_own, rs = _probs_own(s, n1, end, limit, full_to, m_prev, qk_scale, BN, S_L, ok)
         mbarrier.wait(p_ready.index(0), ph)
         m0 = stats[0].load(ROW_L)
         a0 = stats[1].load(ROW_L)
@@ -360,6 +388,39 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr):
 
 
 @gluon.jit
+def seesaw_buffers(dtype: gl.constexpr, NBUF: gl.constexpr, BN: gl.constexpr, SM_L: gl.constexpr,
+                   P_SM: gl.constexpr):
+    """The shared memory and barriers of the two warpgroups, set up (the loader's ready barriers
+    are the kernel's: their count depends on how it loads): the query's latent part, the K ring
+    of NBUF BN-key tiles, P0 / P1, the row statistics handed between them (m0, a0, m1, a1, l0,
+    l1), a K tile's two halves' "released" barriers (columns 0..255: WG0's P V; 256..511:
+    WG1's), P's ready / free, the l exchange and "both halves of Q stored"."""
+    ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    Q_SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
+                                              rank=2)
+    q_smem = gl.allocate_shared_memory(dtype, [64, 512], Q_SM)
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 512], SM_L)
+    kpe_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 64], SM_L)
+    p_smem = gl.allocate_shared_memory(dtype, [2, 64, BN], P_SM)
+    stats = (gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
+             gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
+             gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L))
+    empty = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * NBUF):
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+    mbarrier.init(l_bar.index(0), count=2)
+    mbarrier.init(q_bar.index(0), count=2)
+    return q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar, q_bar
+
+
+@gluon.jit
 def _seesaw_kernel(
     Q, kv_desc, pe_desc, sc_desc, o_desc, BT, SEQLENS, O, LSE, INFO,
     stride_qb, stride_qi, stride_qh,
@@ -372,13 +433,9 @@ def _seesaw_kernel(
 ):
     gl.static_assert(num_warps == 4)
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
-    ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pid_m = gl.program_id(0)
     p = gl.program_id(1)           # the plan's program (``split_plan``)
 
-    Q_SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
-                                              rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [64, 512], Q_SM)
     # K tiles in the compute dtype: the loader's ring (bf16/fp16 cache: 2 x 64 or 4 x 32 keys), or,
     # for FP8 rows, one 32-key tile per warpgroup that it widens from the FP8 staging ring into
     if KV_FMT == 0:
@@ -387,29 +444,11 @@ def _seesaw_kernel(
     else:
         NBUF: gl.constexpr = 2
         NLOAD: gl.constexpr = 4 if KV_FMT == 1 else 3      # stages of FP8 rows (smem: 227 KB in all)
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 512], SM_L)
-    kpe_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, 64], SM_L)
-    p_smem = gl.allocate_shared_memory(dtype, [2, 64, BN], P_SM)
-    # row statistics handed between the warpgroups: m0, a0, m1, a1, l0, l1
-    stats = (gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
-             gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L),
-             gl.allocate_shared_memory(gl.float32, [64], ST_L), gl.allocate_shared_memory(gl.float32, [64], ST_L))
+    q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar, q_bar = seesaw_buffers(dtype, NBUF, BN, SM_L,
+                                                                                                  P_SM)
     ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
-    # a K tile's halves (columns 0..255: WG0's P V; 256..511: WG1's) released separately
-    empty = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())   # both halves of Q stored
     for i in gl.static_range(NLOAD * 9):
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(2 * NBUF):
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-    mbarrier.init(l_bar.index(0), count=2)
-    mbarrier.init(q_bar.index(0), count=2)
     if KV_FMT == 0:
         st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
         ring, ring_pe, ring_sc, free = st8              # the loader fills the K tiles themselves
