@@ -89,7 +89,7 @@ def main() -> int:
             hf_rate, hf_toks = decode_rate(model, ids, mask, a.new)
             kind = "dynamic"
         blocks = B * ((a.prompt + a.new) // 64 + 2)
-        with mla.hf.patch(model, num_blocks=blocks, block_size=64):
+        with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=False):
             mla_rate, mla_toks = decode_rate(model, ids, mask, a.new)
         with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=True):
             graph_rate, graph_toks = decode_rate(model, ids, mask, a.new)

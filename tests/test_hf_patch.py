@@ -241,9 +241,15 @@ def test_graphs_refused_where_a_graph_cannot_serve():
     with pytest.raises(ValueError, match="graphs: 'deepseek_v32' has a sparse indexer"):
         mla.hf.patch(make_model("deepseek_v32"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
     model = make_model("deepseek_v3")
-    with pytest.raises(ValueError, match="graphs: expected True or False"):
+    with pytest.raises(ValueError, match="graphs: expected True, False or None"):
         mla.hf.patch(model, graphs="yes")
     assert not stand_ins(model)
+    # the default: graphs only where the cache is on a GPU and no indexer needs the host
+    for case in ("deepseek_v3", "deepseek_v32"):
+        with mla.hf.patch(make_model(case), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+            assert handle.graphs is False
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
+        assert handle.graphs is True
 
 
 def test_glm_shared_indexer_layers_generate_eager_tokens():
