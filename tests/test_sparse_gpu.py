@@ -125,18 +125,21 @@ def test_sparse_prefill_kernel(H):
     assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
 
 
-@pytest.mark.parametrize("H,N,topk,splits,sink", [(128, 5, 2048, 3, False), (64, 7, 300, 2, True),
-                                                   (100, 9, 513, None, True), (128, 6, 77, 1, False)])
-def test_sparse_gluon_seesaw(H, N, topk, splits, sink):
+@pytest.mark.parametrize("H,N,topk,splits,sink,dtype", [(128, 5, 2048, 3, False, torch.bfloat16),
+                                                         (64, 7, 300, 2, True, torch.bfloat16),
+                                                         (100, 9, 513, None, True, torch.float16),
+                                                         (128, 6, 77, 1, False, torch.float16)])
+def test_sparse_gluon_seesaw(H, N, topk, splits, sink, dtype):
     """The Hopper kernel (``decode.gluon.sparse``) with forced split counts (float32 partials and
-    the combine), a sink in split 0 only, head counts off its 64-head tile, rows [s_kv, 1, 576]."""
+    the combine), a sink in split 0 only, head counts off its 64-head tile, rows [s_kv, 1, 576],
+    bf16 and fp16."""
     from mla.ops.decode.gluon import sparse as gluon_sparse
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need sm90")
     g = torch.Generator(device="cuda").manual_seed(H + N + topk)
     s_kv = 4000
-    q = torch.randn(N, H, R + DR, device="cuda", generator=g).to(torch.bfloat16)
-    kv = torch.randn(s_kv, 1, R + DR, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(N, H, R + DR, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(s_kv, 1, R + DR, device="cuda", generator=g).to(dtype)
     idx = torch.rand(N, s_kv, device="cuda", generator=g).argsort(-1)[:, :topk].int()
     idx[::3, -7:] = -1
     unused = torch.ones(s_kv, dtype=torch.bool, device="cuda")
@@ -149,8 +152,8 @@ def test_sparse_gluon_seesaw(H, N, topk, splits, sink):
     valid = idx >= 0
     rows = kv[:, 0].double().nan_to_num()[idx.long().clamp(min=0)]
     want_o, want_l = _attend(q.double(), rows, valid, R, scale, torch.float64, s)
-    low_o, low_l = _attend(q.double(), rows, valid, R, scale, torch.bfloat16, s)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    low_o, low_l = _attend(q.double(), rows, valid, R, scale, dtype, s)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert _rel(out, want_o) <= 2 * _rel(low_o, want_o), (_rel(out, want_o), _rel(low_o, want_o))
     assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
 

@@ -17,11 +17,13 @@ Logits (n = index_n_heads, d = index_head_dim):
         logits[t, s] = sum over t's n rows of S, -inf where t does not see s (causal, or past
                        the sequence); every column < max_seqlen_k is written
 
-Top-k, one program a query: a float's bits, flipped where negative, order like the float; a
-radix select over those, a byte a pass, finds the k-th largest T; the keys above T and the
-first (by index) equal to it are gathered, each as one int64 (its sortable bits above, its
-inverted index below, so the lower index wins a tie) and sorted: the reference's stable
-descending order, with no device value read on the host.
+Top-k: a float's bits, flipped where negative, order like the float; a radix select over
+those, a byte a pass, finds the k-th largest T, each pass a launch over (query, chunk of keys)
+programs that add their histograms (one program a query, looping over its keys, waited on a
+memory latency per step: 191 us at B 32 x 32k on the H200); the keys above T and the first
+(by index) equal to it are gathered, each as one int64 (its sortable bits above, its inverted
+index below, so the lower index wins a tie) and sorted: the reference's stable descending
+order, with no device value read on the host.
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ import triton.language as tl
 
 from ._jit import jit
 
-__all__ = ["indexer_logits", "topk_indices", "logits_schedule"]
+__all__ = ["indexer_logits", "topk_indices", "logits_schedule", "TOPK_CHUNK"]
+
+TOPK_CHUNK = 2048    # keys a top-k program reads (on CUDA): B 32 x 32k keys is 512 programs a pass
 
 
 @jit
@@ -39,7 +43,7 @@ def _logits_kernel(
     Q, W, KC, BT, SEQLENS, CU, OUT,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kr, stride_bt, stride_ot,
     B, NH, D, block_size, max_blocks, num_blocks, K, span, scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KEY_FP8: tl.constexpr, GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KEY_FP8: tl.constexpr, GROUP: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
@@ -95,15 +99,21 @@ def _logits_kernel(
             k_ok = s_ok[:, None] & (dd < D)[None, :]
             if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
                 k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
-                k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
-                                  mask=k_ok, other=0.0)
-                k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
+                if ONE_SCALE:   # one scale a key: the dot over its e4m3 values (exact in q's dtype), then it
+                    k = k8.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                    k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
+                else:
+                    k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
+                                      mask=k_ok, other=0.0)
+                    k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
             else:
                 k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 sc = tl.dot(q, tl.trans(k))
+            if KEY_FP8 and ONE_SCALE:
+                sc = sc * k_scale[None, :]
             sc = tl.maximum(sc * scale, 0.0) * w[:, None]
             summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
             logits = tl.where(visible, summed, float("-inf"))
@@ -128,7 +138,9 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
                    causal=True):
     """``mla.ops.reference.indexer_logits`` on the kernel: q [Tq, n, d], weights [Tq, n] float32,
     index_cache [num_blocks, block_size, d] (or FP8 key rows, uint8, read as they are: each key
-    widened and scaled in registers, in q's dtype) -> logits [Tq, max_seqlen_k] float32."""
+    widened to q's dtype in registers, exactly, and its scale applied to its dot; with several
+    scales a key, d >= 256, each value scaled and rounded before the dot) -> logits
+    [Tq, max_seqlen_k] float32."""
     Tq, nh, d = q.shape
     B = block_table.shape[0]
     out = torch.empty(Tq, max_seqlen_k, dtype=torch.float32, device=q.device)
@@ -147,7 +159,7 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
         B, nh, d, index_cache.shape[1], max(block_table.shape[1], 1), max(index_cache.shape[0], 1), max_seqlen_k,
         span, softmax_scale,
         CAUSAL=causal, IEEE=q.dtype == torch.float32, KEY_FP8=index_cache.dtype == torch.uint8,
-        GROUP=d // max(1, d // 128), BLOCK_T=block_t, BLOCK_H=block_h,
+        GROUP=d // max(1, d // 128), ONE_SCALE=d < 256, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, BLOCK_B=triton.next_power_of_2(B + 1),
         num_warps=4 if block_t * block_h <= 64 else 8,
     )
@@ -155,56 +167,91 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
 
 
 @jit
-def _topk_kernel(
-    LOGITS, BT, CU, SCRATCH, OUT,
-    stride_lt, stride_bt, stride_st, stride_ot,
-    K, B, topk, block_size, max_blocks,
-    BLOCK: tl.constexpr, KP: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    row = LOGITS + t * stride_lt
-    k = tl.minimum(topk, K)
+def _radix_prefix(H, k, PASSES: tl.constexpr):
+    """The k-th largest key's bytes chosen by the first PASSES passes (their histograms H[p, 256]
+    over the keys matching the bytes before): (prefix, its mask, the number of keys above it)."""
     bins = tl.arange(0, 256)
-    # radix select of the k-th largest key T, a byte a pass from the top: prefix holds T's bytes
-    # found so far, above counts the keys greater than T
     prefix = tl.zeros([], dtype=tl.uint32)
     known = tl.zeros([], dtype=tl.uint32)
     above = tl.zeros([], dtype=tl.int32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        for s0 in range(0, K, BLOCK):
-            s = s0 + tl.arange(0, BLOCK)
-            u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
-            match = (s < K) & ((u & known) == prefix)
-            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=match)
-        # the bin holding the (k - above)-th largest of the keys that match so far
+    for p in tl.static_range(PASSES):
+        hist = tl.load(H + p * 256 + bins)
         suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
-        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)
+        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)           # the bin of the (k - above)-th
         above += tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix |= d.to(tl.uint32) << shift
-        known |= tl.full([], 0xFF, tl.uint32) << shift
-    # the k keys: all greater than T, then those equal to T by index (ties to the lower key)
-    need_eq = k - above
-    taken = tl.zeros([], dtype=tl.int32)
-    eq_seen = tl.zeros([], dtype=tl.int32)
-    scratch = SCRATCH + t * stride_st
-    for s0 in range(0, K, BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
-        u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
-        ok = s < K
-        eq = ok & (u == prefix)
-        sel = (ok & (u > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-        at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-        # one int64 a key: its signed order above, the inverted index below (a tie sorts to the
-        # lower index)
-        comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
-        tl.store(scratch + at, comp, mask=sel)
-        taken += tl.sum(sel.to(tl.int32), 0)
-        eq_seen += tl.sum(eq.to(tl.int32), 0)
-    tl.debug_barrier()   # the program's scratch writes before its reads
+        prefix |= d.to(tl.uint32) << (24 - 8 * p)
+        known |= tl.full([], 0xFF, tl.uint32) << (24 - 8 * p)
+    return prefix, known, above
+
+
+@jit
+def _chunk_keys(LOGITS, stride_lt, K, CH, BLOCK: tl.constexpr):
+    """Program (query t, chunk c)'s keys: their positions s, which exist, and their sortable bits."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * CH + tl.arange(0, BLOCK)
+    ok = s < K
+    u = _sortable(tl.load(LOGITS + t * stride_lt + s, mask=ok, other=float("-inf")))
+    return t, s, ok, u
+
+
+@jit
+def _radix_pass(
+    LOGITS, HIST, CHUNK_HIST, stride_lt, stride_h, stride_ch, K, topk, CH,
+    PASS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Radix pass PASS over one chunk of one query's keys: the histogram of byte 3 - PASS of the
+    keys matching the bytes chosen so far, added into HIST[t, PASS]; the last pass also keeps
+    each chunk's own (CHUNK_HIST[t, c]: where the keys equal to the k-th fall, by chunk)."""
+    t, s, ok, u = _chunk_keys(LOGITS, stride_lt, K, CH, BLOCK)
+    prefix, known, above = _radix_prefix(HIST + t * stride_h, tl.minimum(topk, K), PASS)
+    match = ok & ((u & known) == prefix)
+    hist = tl.histogram(((u >> (24 - 8 * PASS)) & 0xFF).to(tl.int32), 256, mask=match)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(HIST + t * stride_h + PASS * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+    if PASS == 3:
+        tl.store(CHUNK_HIST + t * stride_ch + tl.program_id(1) * 256 + bins, hist)
+
+
+@jit
+def _radix_gather(
+    LOGITS, HIST, CHUNK_HIST, SCRATCH, stride_lt, stride_h, stride_ch, stride_st, K, topk, CH,
+    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The chunk's share of the k keys, as composite int64s (``_topk_finish``) into SCRATCH[t]:
+    every key above the k-th largest T at a place taken from HIST[t, 1024], a count (any order: the finish
+    sorts), and of the keys equal to T the first k - above by position (the reference's tie
+    rule), each at its rank among them: the chunks before count theirs in CHUNK_HIST."""
+    t, s, ok, u = _chunk_keys(LOGITS, stride_lt, K, CH, BLOCK)
+    k = tl.minimum(topk, K)
+    T, known, above = _radix_prefix(HIST + t * stride_h, k, 4)
+    c = tl.program_id(1)
+    cc = tl.arange(0, BLOCK_C)
+    eq_before = tl.sum(tl.load(CHUNK_HIST + t * stride_ch + cc * 256 + (T & 0xFF).to(tl.int32), mask=cc < c,
+                               other=0), 0)
+    gt = ok & (u > T)
+    eq = ok & (u == T)
+    rank = eq_before + tl.cumsum(eq.to(tl.int32), 0) - 1
+    take = gt | (eq & (rank < k - above))
+    base = tl.atomic_add(HIST + t * stride_h + 1024, tl.sum(gt.to(tl.int32), 0), sem="relaxed")
+    at = tl.where(gt, base + tl.cumsum(gt.to(tl.int32), 0) - 1, above + rank)
+    # one int64 a key: its signed order above, the inverted position below (a tie sorts to the
+    # lower position)
+    comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
+    tl.store(SCRATCH + t * stride_st + at, comp, mask=take)
+
+
+@jit
+def _topk_finish(
+    SCRATCH, BT, CU, OUT, stride_st, stride_bt, stride_ot, K, B, topk, block_size, max_blocks,
+    KP: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """A query's k keys sorted best first (the composites' order: logit, then lower position) and
+    mapped to flat cache slots through its sequence's block table; -1 for keys it does not see
+    (logit -inf) and past k."""
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.minimum(topk, K)
     j = tl.arange(0, KP)
-    comp = tl.load(scratch + j, mask=j < k, other=-9223372036854775808)
+    comp = tl.load(SCRATCH + t * stride_st + j, mask=j < k, other=-9223372036854775808)
     comp = tl.sort(comp, descending=True)      # best first; padding (the least int64) last
     pos = (0x7FFFFFFF - (comp & 0x7FFFFFFF)).to(tl.int32)
     seen = (comp >> 32).to(tl.int32) != _signed(_sortable(tl.full([KP], float("-inf"), tl.float32)))
@@ -234,10 +281,13 @@ def _signed(u):
 
 
 def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
-    """``mla.ops.reference.topk_indices`` on the kernel: logits [Tq, K] float32 -> [Tq, topk] int32
-    flat slots, best first, ties to the lower key, -1 past the keys a query sees. One program a
-    query: a radix select (a byte a pass) of the k-th largest logit, the k keys gathered in
-    index order, sorted in registers (``topk`` up to 4096), mapped to slots."""
+    """``mla.ops.reference.topk_indices`` on the kernels: logits [Tq, K] float32 -> [Tq, topk] int32
+    flat slots, best first, ties to the lower key, -1 past the keys a query sees (``topk`` up to
+    4096). Programs (query, chunk of ``TOPK_CHUNK`` keys): four radix passes, a byte each, find
+    the k-th largest logit T (``_radix_pass``: histograms added across a query's chunks), the
+    chunks gather the k keys (``_radix_gather``), one program a query sorts and maps them
+    (``_topk_finish``). Seven launches with the histograms' zeroing, no device value read on
+    the host."""
     Tq, K = logits.shape
     out = torch.empty(Tq, topk, dtype=torch.int32, device=logits.device)
     if Tq == 0:
@@ -245,13 +295,21 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
     if K == 0 or block_table.shape[0] == 0:
         return out.fill_(-1)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ch = TOPK_CHUNK if logits.is_cuda else 64
+    chunks = triton.cdiv(K, ch)
     kp = triton.next_power_of_2(topk)
     scratch = torch.empty(Tq, kp, dtype=torch.int64, device=logits.device)
+    state = torch.zeros(Tq, 4 * 256 + 1, dtype=torch.int32, device=logits.device)   # 4 histograms, a count
+    chunk_hist = torch.empty(Tq, chunks, 256, dtype=torch.int32, device=logits.device)
     B = block_table.shape[0]
-    _topk_kernel[(Tq,)](
-        logits, block_table, cu_seqlens_q, scratch, out,
-        logits.stride(0), block_table.stride(0), scratch.stride(0), out.stride(0),
-        K, B, topk, block_size, max(block_table.shape[1], 1),
-        BLOCK=1024 if logits.is_cuda else 64, KP=kp, BLOCK_B=triton.next_power_of_2(B), num_warps=8,
-    )
+    grid = (Tq, chunks)
+    for p in range(4):
+        _radix_pass[grid](logits, state, chunk_hist, logits.stride(0), state.stride(0), chunk_hist.stride(0), K, topk,
+                          ch, PASS=p, BLOCK=ch, num_warps=8)
+    _radix_gather[grid](logits, state, chunk_hist, scratch, logits.stride(0), state.stride(0),
+                        chunk_hist.stride(0), scratch.stride(0), K, topk, ch, BLOCK=ch,
+                        BLOCK_C=triton.next_power_of_2(chunks), num_warps=8)
+    _topk_finish[(Tq,)](scratch, block_table, cu_seqlens_q, out, scratch.stride(0), block_table.stride(0),
+                        out.stride(0), K, B, topk, block_size, max(block_table.shape[1], 1), KP=kp,
+                        BLOCK_B=triton.next_power_of_2(B), num_warps=8)
     return out

@@ -35,7 +35,6 @@ from .seesaw import _wg0, _wg1, seesaw_buffers
 __all__ = ["supports", "default_splits", "default_block_n", "launch"]
 
 
-
 @gluon.jit
 def _sparse_kernel(
     Q, KV, IDX, SINK, O, LSE, o_desc,
