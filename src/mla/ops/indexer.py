@@ -85,39 +85,47 @@ def _logits_kernel(
     bt_row = BT + b.to(tl.int64) * stride_bt
     s_begin = tl.program_id(1) * span
     s_end = tl.minimum(s_begin + span, K)
-    far = tl.max(limit, 0)                       # the group sees no key from here on
-    for s0 in range(s_begin, s_end, BLOCK_N):
+    # keys below s_live: some query of the group sees them. The loop over them has no branch and
+    # asks for 3 stages, so its block-id and key loads go out as cp.async ahead of the MMA (with
+    # a branch around them, or without tl.range's stages, sm_90 got plain loads and each step
+    # waited two memory latencies in a row)
+    s_live = tl.minimum(s_end, tl.max(limit, 0))
+    for s0 in tl.range(s_begin, s_live, BLOCK_N, num_stages=3):
         s = s0 + tl.arange(0, BLOCK_N)
+        s_ok = s < s_live
+        # columns and block ids clamped: lengths and ids are unchecked on CUDA
+        blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+        k_row = KC + blk * stride_kb + (s % block_size) * stride_kr
+        k_ok = s_ok[:, None] & (dd < D)[None, :]
+        if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
+            k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
+            if ONE_SCALE:   # one scale a key: the dot over its e4m3 values (exact in q's dtype), then it
+                k = k8.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
+            else:
+                k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
+                                  mask=k_ok, other=0.0)
+                k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
+        else:
+            k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if KEY_FP8 and ONE_SCALE:
+            sc = sc * k_scale[None, :]
+        sc = tl.maximum(sc * scale, 0.0) * w[:, None]
+        summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
         visible = (s[None, :] < limit[:, None]) & (s < s_end)[None, :]
-        logits = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
-        if s0 < far:
-            s_ok = s < tl.minimum(far, s_end)
-            # columns and block ids clamped: lengths and ids are unchecked on CUDA
-            blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-            k_row = KC + blk * stride_kb + (s % block_size) * stride_kr
-            k_ok = s_ok[:, None] & (dd < D)[None, :]
-            if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
-                k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
-                if ONE_SCALE:   # one scale a key: the dot over its e4m3 values (exact in q's dtype), then it
-                    k = k8.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                    k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
-                else:
-                    k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
-                                      mask=k_ok, other=0.0)
-                    k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
-            else:
-                k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            if KEY_FP8 and ONE_SCALE:
-                sc = sc * k_scale[None, :]
-            sc = tl.maximum(sc * scale, 0.0) * w[:, None]
-            summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
-            logits = tl.where(visible, summed, float("-inf"))
-        tl.store(out_row[:, None] + s[None, :], logits, mask=tq_ok[:, None] & (s < s_end)[None, :])
+        tl.store(out_row[:, None] + s[None, :], tl.where(visible, summed, float("-inf")),
+                 mask=tq_ok[:, None] & (s < s_end)[None, :])
+    # the span's columns past every query's keys (from the step after the loop's last): -inf
+    dead = s_begin + tl.cdiv(tl.maximum(s_live - s_begin, 0), BLOCK_N) * BLOCK_N
+    for s0 in range(dead, s_end, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        tl.store(out_row[:, None] + s[None, :], tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32),
+                 mask=tq_ok[:, None] & (s < s_end)[None, :])
 
 
 def logits_schedule(n_heads: int, Tq: int, B: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
