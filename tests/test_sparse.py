@@ -117,6 +117,10 @@ def test_topk_indices_ties_padding_and_slots(backend):
         cu = torch.tensor([0, Tq // 2, Tq], dtype=torch.int32)
         want = mla.ops.topk_indices(x, k, tab, cu, bs, backend="torch")
         assert torch.equal(mla.ops.topk_indices(x, k, tab, cu, bs, backend=backend), want)
+        if backend == "triton":   # both of the kernels' paths (the op picks one by the number of queries)
+            from mla.ops import indexer
+            for chunked in (False, True):
+                assert torch.equal(indexer.topk_indices(x, k, tab, cu, bs, chunked=chunked), want), (Tq, K, k, chunked)
 
 
 def sparse_oracle(q, rows_per_query, scale, dv, sink=None):

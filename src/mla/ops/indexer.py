@@ -18,12 +18,11 @@ Logits (n = index_n_heads, d = index_head_dim):
                        the sequence); every column < max_seqlen_k is written
 
 Top-k: a float's bits, flipped where negative, order like the float; a radix select over
-those, a byte a pass, finds the k-th largest T, each pass a launch over (query, chunk of keys)
-programs that add their histograms (one program a query, looping over its keys, waited on a
-memory latency per step: 191 us at B 32 x 32k on the H200); the keys above T and the first
-(by index) equal to it are gathered, each as one int64 (its sortable bits above, its inverted
-index below, so the lower index wins a tie) and sorted: the reference's stable descending
-order, with no device value read on the host.
+those, a byte a pass, finds the k-th largest T (in one program a query, or, for few queries,
+in passes over (query, chunk of keys) programs: ``topk_indices``); the keys above T and the
+first (by index) equal to it are gathered, each as one int64 (its sortable bits above, its
+inverted index below, so the lower index wins a tie) and sorted: the reference's stable
+descending order, with no device value read on the host.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import jit
+from ._jit import jit, num_sms
 
 __all__ = ["indexer_logits", "topk_indices", "logits_schedule", "TOPK_CHUNK"]
 
@@ -43,7 +42,7 @@ def _logits_kernel(
     Q, W, KC, BT, SEQLENS, CU, OUT,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kr, stride_bt, stride_ot,
     B, NH, D, block_size, max_blocks, num_blocks, K, span, scale,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KEY_FP8: tl.constexpr, GROUP: tl.constexpr, ONE_SCALE: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KEY_FP8: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
@@ -85,47 +84,33 @@ def _logits_kernel(
     bt_row = BT + b.to(tl.int64) * stride_bt
     s_begin = tl.program_id(1) * span
     s_end = tl.minimum(s_begin + span, K)
-    # keys below s_live: some query of the group sees them. The loop over them has no branch and
-    # asks for 3 stages, so its block-id and key loads go out as cp.async ahead of the MMA (with
-    # a branch around them, or without tl.range's stages, sm_90 got plain loads and each step
-    # waited two memory latencies in a row)
-    s_live = tl.minimum(s_end, tl.max(limit, 0))
-    for s0 in tl.range(s_begin, s_live, BLOCK_N, num_stages=3):
+    far = tl.max(limit, 0)                       # the group sees no key from here on
+    for s0 in range(s_begin, s_end, BLOCK_N):
         s = s0 + tl.arange(0, BLOCK_N)
-        s_ok = s < s_live
-        # columns and block ids clamped: lengths and ids are unchecked on CUDA
-        blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-        k_row = KC + blk * stride_kb + (s % block_size) * stride_kr
-        k_ok = s_ok[:, None] & (dd < D)[None, :]
-        if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
-            k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
-            if ONE_SCALE:   # one scale a key: the dot over its e4m3 values (exact in q's dtype), then it
-                k = k8.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
-            else:
+        visible = (s[None, :] < limit[:, None]) & (s < s_end)[None, :]
+        logits = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+        if s0 < far:
+            s_ok = s < tl.minimum(far, s_end)
+            # columns and block ids clamped: lengths and ids are unchecked on CUDA
+            blk = tl.load(bt_row + tl.minimum(s // block_size, max_blocks - 1), mask=s_ok, other=0)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+            k_row = KC + blk * stride_kb + (s % block_size) * stride_kr
+            k_ok = s_ok[:, None] & (dd < D)[None, :]
+            if KEY_FP8:   # DeepSeek's key rows (bytes): [d e4m3 values | a float32 scale per GROUP]
+                k8 = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0)
                 k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float32))[:, None] + (dd // GROUP)[None, :],
                                   mask=k_ok, other=0.0)
                 k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
-        else:
-            k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        if KEY_FP8 and ONE_SCALE:
-            sc = sc * k_scale[None, :]
-        sc = tl.maximum(sc * scale, 0.0) * w[:, None]
-        summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
-        visible = (s[None, :] < limit[:, None]) & (s < s_end)[None, :]
-        tl.store(out_row[:, None] + s[None, :], tl.where(visible, summed, float("-inf")),
-                 mask=tq_ok[:, None] & (s < s_end)[None, :])
-    # the span's columns past every query's keys (from the step after the loop's last): -inf
-    dead = s_begin + tl.cdiv(tl.maximum(s_live - s_begin, 0), BLOCK_N) * BLOCK_N
-    for s0 in range(dead, s_end, BLOCK_N):
-        s = s0 + tl.arange(0, BLOCK_N)
-        tl.store(out_row[:, None] + s[None, :], tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32),
-                 mask=tq_ok[:, None] & (s < s_end)[None, :])
+            else:
+                k = tl.load(k_row[:, None] + dd[None, :], mask=k_ok, other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.maximum(sc * scale, 0.0) * w[:, None]
+            summed = tl.sum(tl.reshape(sc, [BLOCK_T, BLOCK_H, BLOCK_N]), 1)
+            logits = tl.where(visible, summed, float("-inf"))
+        tl.store(out_row[:, None] + s[None, :], logits, mask=tq_ok[:, None] & (s < s_end)[None, :])
 
 
 def logits_schedule(n_heads: int, Tq: int, B: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -146,9 +131,7 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
                    causal=True):
     """``mla.ops.reference.indexer_logits`` on the kernel: q [Tq, n, d], weights [Tq, n] float32,
     index_cache [num_blocks, block_size, d] (or FP8 key rows, uint8, read as they are: each key
-    widened to q's dtype in registers, exactly, and its scale applied to its dot; with several
-    scales a key, d >= 256, each value scaled and rounded before the dot) -> logits
-    [Tq, max_seqlen_k] float32."""
+    widened and scaled in registers, in q's dtype) -> logits [Tq, max_seqlen_k] float32."""
     Tq, nh, d = q.shape
     B = block_table.shape[0]
     out = torch.empty(Tq, max_seqlen_k, dtype=torch.float32, device=q.device)
@@ -167,11 +150,63 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
         B, nh, d, index_cache.shape[1], max(block_table.shape[1], 1), max(index_cache.shape[0], 1), max_seqlen_k,
         span, softmax_scale,
         CAUSAL=causal, IEEE=q.dtype == torch.float32, KEY_FP8=index_cache.dtype == torch.uint8,
-        GROUP=d // max(1, d // 128), ONE_SCALE=d < 256, BLOCK_T=block_t, BLOCK_H=block_h,
+        GROUP=d // max(1, d // 128), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, BLOCK_B=triton.next_power_of_2(B + 1),
         num_warps=4 if block_t * block_h <= 64 else 8,
     )
     return out
+
+
+@jit
+def _topk_kernel(
+    LOGITS, BT, CU, SCRATCH, OUT,
+    stride_lt, stride_bt, stride_st, stride_ot,
+    K, B, topk, block_size, max_blocks,
+    BLOCK: tl.constexpr, KP: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = LOGITS + t * stride_lt
+    k = tl.minimum(topk, K)
+    bins = tl.arange(0, 256)
+    # radix select of the k-th largest key T, a byte a pass from the top: prefix holds T's bytes
+    # found so far, above counts the keys greater than T
+    prefix = tl.zeros([], dtype=tl.uint32)
+    known = tl.zeros([], dtype=tl.uint32)
+    above = tl.zeros([], dtype=tl.int32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], dtype=tl.int32)
+        for s0 in range(0, K, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
+            match = (s < K) & ((u & known) == prefix)
+            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=match)
+        # the bin holding the (k - above)-th largest of the keys that match so far
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
+        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)
+        above += tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix |= d.to(tl.uint32) << shift
+        known |= tl.full([], 0xFF, tl.uint32) << shift
+    # the k keys: all greater than T, then those equal to T by index (ties to the lower key)
+    need_eq = k - above
+    taken = tl.zeros([], dtype=tl.int32)
+    eq_seen = tl.zeros([], dtype=tl.int32)
+    scratch = SCRATCH + t * stride_st
+    for s0 in range(0, K, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
+        ok = s < K
+        eq = ok & (u == prefix)
+        sel = (ok & (u > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+        at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+        # one int64 a key: its signed order above, the inverted index below (a tie sorts to the
+        # lower index)
+        comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
+        tl.store(scratch + at, comp, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+    tl.debug_barrier()   # the program's scratch writes before its reads
+    _sorted_slots(scratch, t, k, BT, CU, OUT, stride_bt, stride_ot, B, topk, block_size, max_blocks, KP, BLOCK_B)
 
 
 @jit
@@ -253,13 +288,20 @@ def _topk_finish(
     SCRATCH, BT, CU, OUT, stride_st, stride_bt, stride_ot, K, B, topk, block_size, max_blocks,
     KP: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """A query's k keys sorted best first (the composites' order: logit, then lower position) and
-    mapped to flat cache slots through its sequence's block table; -1 for keys it does not see
-    (logit -inf) and past k."""
+    """The chunked path's last step, one program a query: ``_sorted_slots`` of its k keys."""
     t = tl.program_id(0).to(tl.int64)
-    k = tl.minimum(topk, K)
+    _sorted_slots(SCRATCH + t * stride_st, t, tl.minimum(topk, K), BT, CU, OUT, stride_bt, stride_ot, B, topk,
+                  block_size, max_blocks, KP, BLOCK_B)
+
+
+@jit
+def _sorted_slots(scratch, t, k, BT, CU, OUT, stride_bt, stride_ot, B, topk, block_size, max_blocks,
+                  KP: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Query t's k composite keys (at scratch) sorted best first (logit, then lower position) and
+    mapped to flat cache slots through its sequence's block table into OUT[t]; -1 for keys it
+    does not see (logit -inf) and past k."""
     j = tl.arange(0, KP)
-    comp = tl.load(SCRATCH + t * stride_st + j, mask=j < k, other=-9223372036854775808)
+    comp = tl.load(scratch + j, mask=j < k, other=-9223372036854775808)
     comp = tl.sort(comp, descending=True)      # best first; padding (the least int64) last
     pos = (0x7FFFFFFF - (comp & 0x7FFFFFFF)).to(tl.int32)
     seen = (comp >> 32).to(tl.int32) != _signed(_sortable(tl.full([KP], float("-inf"), tl.float32)))
@@ -288,14 +330,23 @@ def _signed(u):
     return u.to(tl.int32, bitcast=True) ^ (-2147483647 - 1)
 
 
-def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
+def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, chunked: bool | None = None):
     """``mla.ops.reference.topk_indices`` on the kernels: logits [Tq, K] float32 -> [Tq, topk] int32
     flat slots, best first, ties to the lower key, -1 past the keys a query sees (``topk`` up to
-    4096). Programs (query, chunk of ``TOPK_CHUNK`` keys): four radix passes, a byte each, find
-    the k-th largest logit T (``_radix_pass``: histograms added across a query's chunks), the
-    chunks gather the k keys (``_radix_gather``), one program a query sorts and maps them
-    (``_topk_finish``). Seven launches with the histograms' zeroing, no device value read on
-    the host."""
+    4096). Two paths with the same result:
+
+    - one program a query (``_topk_kernel``): four radix passes over its keys, the gather and the
+      sort in one launch; each pass loops over the keys a block at a time, a memory latency a
+      step, so a few queries leave the GPU idle (191 us at 32 queries x 32k keys on the H200);
+    - chunked (``chunked=True``): each radix pass a launch over (query, ``TOPK_CHUNK`` keys)
+      programs that add their histograms (``_radix_pass``), the chunks gather the k keys
+      (``_radix_gather``), one program a query sorts and maps them (``_topk_finish``): seven
+      launches with the zeroing. On the H200, 32 x 32k: 77.0 us against 190.9, 1 x 32k 55.9
+      against 190.4, 32 x 128k 171.4 against 727.9, 128 x 32k 171.2 against 194.5; but 4096 x 8k
+      1799.9 against 1398.1.
+
+    chunked None: chunked on CUDA for at most one query a multiprocessor (the one-program kernel
+    has less than a wave of programs there), the one-program kernel otherwise and on CPU."""
     Tq, K = logits.shape
     out = torch.empty(Tq, topk, dtype=torch.int32, device=logits.device)
     if Tq == 0:
@@ -303,13 +354,23 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
     if K == 0 or block_table.shape[0] == 0:
         return out.fill_(-1)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    ch = TOPK_CHUNK if logits.is_cuda else 64
-    chunks = triton.cdiv(K, ch)
+    if chunked is None:
+        chunked = logits.is_cuda and Tq <= num_sms(logits.device.index or 0)
     kp = triton.next_power_of_2(topk)
     scratch = torch.empty(Tq, kp, dtype=torch.int64, device=logits.device)
+    B = block_table.shape[0]
+    if not chunked:
+        _topk_kernel[(Tq,)](
+            logits, block_table, cu_seqlens_q, scratch, out,
+            logits.stride(0), block_table.stride(0), scratch.stride(0), out.stride(0),
+            K, B, topk, block_size, max(block_table.shape[1], 1),
+            BLOCK=1024 if logits.is_cuda else 64, KP=kp, BLOCK_B=triton.next_power_of_2(B), num_warps=8,
+        )
+        return out
+    ch = TOPK_CHUNK if logits.is_cuda else 64
+    chunks = triton.cdiv(K, ch)
     state = torch.zeros(Tq, 4 * 256 + 1, dtype=torch.int32, device=logits.device)   # 4 histograms, a count
     chunk_hist = torch.empty(Tq, chunks, 256, dtype=torch.int32, device=logits.device)
-    B = block_table.shape[0]
     grid = (Tq, chunks)
     for p in range(4):
         _radix_pass[grid](logits, state, chunk_hist, logits.stride(0), state.stride(0), chunk_hist.stride(0), K, topk,
