@@ -28,11 +28,12 @@ How one forward of the patched model runs:
 Static (compileable) caches and 4-D masks are refused: their masks do not say which tokens are
 padding, and mla holds the K/V those caches would preallocate.
 
-``graphs`` (on by default on a GPU) runs each patched layer's decode steps (one new token a row, up to 128 rows) in
-CUDA graphs, one ``mla.StepGraph`` a layer, all in one memory pool: eagerly a layer's step is
-about a millisecond of host time (its Python, each op's dispatch, a dozen kernel launches), so
-a patched model decodes far slower than transformers' compiled static-cache ``generate``;
-replayed, the host cost of a layer is the copy of the step's batch into the graph's buffers.
+``graphs`` (on by default on a GPU) runs each patched layer's decode steps (one new token a row,
+up to 128 rows) in CUDA graphs, one ``mla.StepGraph`` a layer, all in one memory pool: eagerly a
+layer's step is about a millisecond of host time (its Python, each op's dispatch, a dozen kernel
+launches), so a patched model decodes far slower than transformers' compiled static-cache
+``generate``; replayed, the host cost of a layer is the copy of the step's batch into the
+graph's buffers.
 Prompts, mixed and larger batches stay eager. Each batch size's graphs are captured at its
 first decode step. Sparse-indexer families are refused there (their step reads each
 sequence's length on the host).
@@ -75,8 +76,9 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
         the family has no sparse indexer (2.2-2.5x eager's tokens a second on the H200, 4
         DeepSeek-V3 layers, batch 1-32); True asks for them anywhere (refused for an indexer).
 
-    Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.graphs``, ``handle.release()`` (return
-    the current request's blocks now) and ``handle.unpatch()`` (restore the original modules).
+    Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.graphs``,
+    ``handle.release()`` (return the current request's blocks now) and ``handle.unpatch()``
+    (restore the original modules).
     Raises NotImplementedError (naming the model_type) for a family ``from_hf`` refuses, and
     ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` for
     a family with a sparse indexer.

@@ -233,9 +233,8 @@ def gather_loader(ring, ring_pe, ready, free, KV, stride_row, sp, start, end, n_
     An index outside [0, num_slots) or past end is never read: its row is zero-filled (and
     ``key_mask`` hides it from the softmax). ready[slot] completes when all 128 threads'
     copies have landed (cp.async.mbarrier.arrive.noinc; the barrier counts 128).
-    On the H200 this beat ``loader``'s finer schedule over gathered rows (a barrier a 64-column
-    box, each half of a slot refilled once released): 1.1-1.4x slower there, from spills and
-    nine arrivals a tile."""
+    On the H200 a finer schedule (``loader``'s for TMA: a barrier a 64-column box, each half of a
+    slot refilled once released) took 1.1-1.4x this one's time: spills, nine arrivals a tile."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
     idx_row, num_slots, SINK, sink_on = sp
@@ -281,7 +280,8 @@ def sink_start(sp, ml, H, ROW_L: gl.constexpr):
     sink in base 2 where sink_on (split 0 of a launch with a sink), else -inf."""
     idx_row, num_slots, SINK, sink_on = sp
     h = ml + gl.arange(0, 64, layout=ROW_L)
-    return gl.load(SINK + h, mask=(h < H) & (sink_on != 0), other=float("-inf")) * 1.4426950408889634     # log2(e)
+    sink = gl.load(SINK + h, mask=(h < H) & (sink_on != 0), other=float("-inf"))
+    return sink * 1.4426950408889634     # log2(e): the kernels' scores are in base 2
 
 
 @gluon.jit

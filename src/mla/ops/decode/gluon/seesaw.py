@@ -444,8 +444,8 @@ def _seesaw_kernel(
     else:
         NBUF: gl.constexpr = 2
         NLOAD: gl.constexpr = 4 if KV_FMT == 1 else 3      # stages of FP8 rows (smem: 227 KB in all)
-    q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar, q_bar = seesaw_buffers(dtype, NBUF, BN, SM_L,
-                                                                                                  P_SM)
+    (q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar,
+     q_bar) = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM)
     ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NLOAD * 9):
         mbarrier.init(ready.index(i), count=1)

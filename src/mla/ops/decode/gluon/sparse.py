@@ -51,8 +51,8 @@ def _sparse_kernel(
     t = p // num_splits
     split = p % num_splits
 
-    q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar, q_bar = seesaw_buffers(dtype, NBUF, BN, SM_L,
-                                                                                                  P_SM)
+    (q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar,
+     q_bar) = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())    # a tile's 128 copiers
     for i in gl.static_range(NBUF):
         mbarrier.init(ready.index(i), count=128)
