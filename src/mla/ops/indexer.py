@@ -261,9 +261,10 @@ def _radix_gather(
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """The chunk's share of the k keys, as composite int64s (``_topk_finish``) into SCRATCH[t]:
-    every key above the k-th largest T at a place taken from HIST[t, 1024], a count (any order: the finish
-    sorts), and of the keys equal to T the first k - above by position (the reference's tie
-    rule), each at its rank among them: the chunks before count theirs in CHUNK_HIST."""
+    every key above the k-th largest T at a place taken from the count HIST[t, 1024] (any order:
+    the finish sorts), and of the keys equal to T the first k - above by position (the
+    reference's tie rule), each at its rank among them: the chunks before count theirs in
+    CHUNK_HIST."""
     t, s, ok, u = _chunk_keys(LOGITS, stride_lt, K, CH, BLOCK)
     k = tl.minimum(topk, K)
     T, known, above = _radix_prefix(HIST + t * stride_h, k, 4)
