@@ -167,7 +167,6 @@ def _topk_kernel(
     t = tl.program_id(0).to(tl.int64)
     row = LOGITS + t * stride_lt
     k = tl.minimum(topk, K)
-    bins = tl.arange(0, 256)
     # radix select of the k-th largest key T, a byte a pass from the top: prefix holds T's bytes
     # found so far, above counts the keys greater than T
     prefix = tl.zeros([], dtype=tl.uint32)
@@ -181,12 +180,7 @@ def _topk_kernel(
             u = _sortable(tl.load(row + s, mask=s < K, other=float("-inf")))
             match = (s < K) & ((u & known) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=match)
-        # the bin holding the (k - above)-th largest of the keys that match so far
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
-        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)
-        above += tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix |= d.to(tl.uint32) << shift
-        known |= tl.full([], 0xFF, tl.uint32) << shift
+        prefix, known, above = _radix_choose(hist, k, prefix, known, above, shift)
     # the k keys: all greater than T, then those equal to T by index (ties to the lower key)
     need_eq = k - above
     taken = tl.zeros([], dtype=tl.int32)
@@ -199,10 +193,7 @@ def _topk_kernel(
         eq = ok & (u == prefix)
         sel = (ok & (u > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
         at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-        # one int64 a key: its signed order above, the inverted index below (a tie sorts to the
-        # lower index)
-        comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
-        tl.store(scratch + at, comp, mask=sel)
+        tl.store(scratch + at, _composite(u, s), mask=sel)
         taken += tl.sum(sel.to(tl.int32), 0)
         eq_seen += tl.sum(eq.to(tl.int32), 0)
     tl.debug_barrier()   # the program's scratch writes before its reads
@@ -218,13 +209,29 @@ def _radix_prefix(H, k, PASSES: tl.constexpr):
     known = tl.zeros([], dtype=tl.uint32)
     above = tl.zeros([], dtype=tl.int32)
     for p in tl.static_range(PASSES):
-        hist = tl.load(H + p * 256 + bins)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
-        d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)           # the bin of the (k - above)-th
-        above += tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix |= d.to(tl.uint32) << (24 - 8 * p)
-        known |= tl.full([], 0xFF, tl.uint32) << (24 - 8 * p)
+        prefix, known, above = _radix_choose(tl.load(H + p * 256 + bins), k, prefix, known, above, 24 - 8 * p)
     return prefix, known, above
+
+
+@jit
+def _radix_choose(hist, k, prefix, known, above, shift):
+    """One radix pass's decision: of the histogram (256 bins of the byte at ``shift``) over the keys
+    matching ``prefix`` so far, the bin d holding the (k - above)-th largest; returns the prefix
+    and mask with d added and above counting the keys in bins over d too."""
+    bins = tl.arange(0, 256)
+    suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys in bins >= d
+    d = tl.max(tl.where(suffix >= k - above, bins, -1), 0)
+    above += tl.sum(tl.where(bins > d, hist, 0), 0)
+    prefix |= d.to(tl.uint32) << shift
+    known |= tl.full([], 0xFF, tl.uint32) << shift
+    return prefix, known, above
+
+
+@jit
+def _composite(u, s):
+    """One int64 a key (sortable bits u at position s): its signed order above, the inverted
+    position below, so that a tie sorts to the lower position."""
+    return (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
 
 
 @jit
@@ -278,10 +285,7 @@ def _radix_gather(
     take = gt | (eq & (rank < k - above))
     base = tl.atomic_add(HIST + t * stride_h + 1024, tl.sum(gt.to(tl.int32), 0), sem="relaxed")
     at = tl.where(gt, base + tl.cumsum(gt.to(tl.int32), 0) - 1, above + rank)
-    # one int64 a key: its signed order above, the inverted position below (a tie sorts to the
-    # lower position)
-    comp = (_signed(u).to(tl.int64) << 32) | (0x7FFFFFFF - s).to(tl.int64)
-    tl.store(SCRATCH + t * stride_st + at, comp, mask=take)
+    tl.store(SCRATCH + t * stride_st + at, _composite(u, s), mask=take)
 
 
 @jit
