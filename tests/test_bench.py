@@ -451,7 +451,7 @@ def test_sparse_metrics_match_flashmlas_measured_figure():
 
 def test_sparse_options_default_to_issue_32s_grid():
     g = sparse.grid(parse("sparse"))
-    assert g.sections == ("decode", "prefill", "indexer") and g.peers and g.index_keys == ("bf16", "fp8_ue8m0")
+    assert g.sections == ("decode", "prefill", "indexer", "step") and g.peers and g.index_keys == ("bf16", "fp8_ue8m0")
     assert (g.heads, g.batch, g.s_q, g.topk, g.context, g.page, g.kv) == (
         (16, 64, 128), (32, 128), (1, 2), 2048, 32768, 64, ("bf16", "fp8_tile"))
     assert (g.prefill_heads, g.prefill_queries, g.prefill_kv, g.index_heads, g.index_dim) == ((64, 128), 4096, 32768,
@@ -870,3 +870,39 @@ def test_layer_step_profile_falls_back_to_the_eager_step(monkeypatch):
     assert lines[2].split() == ["60.0", "75.0%", "3.0", "gemm"] and len(lines) == 4
     lines = layer_step.profile_lines(lambda: "graph", lambda: "eager", "H16 B1", 5, least_us=6.0)
     assert "the graphed step: 4.0 us" in lines[0] and lines[2].split() == ["4.0", "100.0%", "8.0", "Memcpy", "DtoD"]
+
+
+# ------------------------------------------------------------------ mla bench sparse --section step
+
+@pytest.mark.parametrize("keys", ["bf16", "fp8_ue8m0"])
+def test_sparse_step_fills_index_keys_through_the_block_table(keys):
+    from mla.bench import sparse_step
+
+    cfg = sparse_step.v32_config(1, 16, 4, 64)
+    assert cfg.has_indexer and cfg.num_heads == 1 and cfg.kv_lora_rank == 512 and not cfg.index_rope_interleave
+    cache = mla.PagedLatentCache(cfg, num_blocks=12, block_size=16, dtype=torch.bfloat16,
+                                 index_format=None if keys == "bf16" else keys)
+    cache.prepare([("pad", 20)])
+    cache.prepare([(b, 40) for b in range(2)])
+    table = cache.prepare([(b, 1) for b in range(2)]).block_table
+    sparse_step.fill_index_keys(cache, table, 40, torch.Generator().manual_seed(0))
+    flat = cache.index_keys(0).view(-1, cache.index_keys(0).shape[-1])
+    for b in range(2):
+        slots = table[b, torch.arange(40) // 16].long() * 16 + torch.arange(40) % 16
+        got = flat[slots].float() if keys == "bf16" else quant.dequantize_index(flat[slots], 64)
+        assert torch.isfinite(got).all() and (got.abs().sum(-1) > 0).all()
+        assert flat[slots[-1] + 1:slots[-1] + 8].float().abs().sum() == 0     # the open block's rest untouched
+    assert cache.index_keys(0)[cache.blocks("pad")].float().abs().sum() == 0
+
+
+def test_sparse_step_row_on_cpu_with_stand_in_timers(monkeypatch):
+    from mla.bench import sparse_step
+
+    times = iter([300.0, 100.0])
+    monkeypatch.setattr(sparse_step, "_replay_checked", lambda step, want: (next(times), bench.rel_err(
+        step().float(), want.float())))
+    monkeypatch.setattr(sparse_step, "kernel_times_us", lambda fn: (fn(), {"_logits_kernel": 9.0, "gemm": 20.0})[1])
+    row, lines = sparse_step.step_shape(1, 2, 70, 16, 4, 64, "bf16", 16, device="cpu")
+    assert (row["dense_us"], row["sparse_us"], row["speedup"]) == (300.0, 100.0, 3.0)
+    assert row["check"] == "ok" and row["rel_err"] == 0.0 and (row["H"], row["B"], row["L"]) == (1, 2, 70)
+    assert lines == ["      sparse step's kernels (us, eager): gemm 20.0, _logits_kernel 9.0"]

@@ -84,7 +84,7 @@ def test_topk_indices_ties_padding_and_slots(backend):
     table = torch.tensor([[7, 2, 5], [1, 0, 0]], dtype=torch.int32)
     inf = float("-inf")
     logits = torch.tensor([
-        [1.0, 3.0, 3.0, inf, 3.0, 0.5, 2.0, 2.0, inf, inf, inf],    # ties: lower index first
+        [1.0, 3.0, 3.0, inf, 3.0, 0.5, 2.0, 2.0, inf, inf, inf],    # a tie at the 4th: the lower index
         [0.1, -2.0, inf, inf, inf, inf, inf, inf, inf, inf, inf],   # 2 visible of topk 4: both, then -1
         [inf] * 11,                                                 # nothing visible
     ])
@@ -94,20 +94,19 @@ def test_topk_indices_ties_padding_and_slots(backend):
     for t, b in enumerate([0, 0, 1]):
         want = [_slot(table, b, s, bs) for s in pos[t]] + [-1] * (4 - len(pos[t]))
         assert out[t].tolist() == want
-    # random rows against a sort by (-value, index)
+    # random rows against the best 5 by (-value, index), listed in key order
     x = torch.randn(6, 11, generator=g).round(decimals=1)        # rounded: many ties
     x[:, 9:] = inf
     out = mla.ops.topk_indices(x, 5, table[:1], torch.tensor([0, 6], dtype=torch.int32), bs, backend=backend)
     for t in range(6):
-        order = sorted(range(9), key=lambda s: (-x[t, s].item(), s))[:5]
-        assert out[t].tolist() == [_slot(table, 0, s, bs) for s in order]
+        best = sorted(sorted(range(9), key=lambda s: (-x[t, s].item(), s))[:5])
+        assert out[t].tolist() == [_slot(table, 0, s, bs) for s in best]
     # topk past the width: every visible key, then -1
     out = mla.ops.topk_indices(logits[:1], 16, table[:1], torch.tensor([0, 1], dtype=torch.int32), bs,
                                backend=backend)
-    assert (out[0, 7:] == -1).all()
-    assert sorted(out[0, :7].tolist()) == sorted(_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7))
+    assert out[0].tolist() == [_slot(table, 0, s, bs) for s in (0, 1, 2, 4, 5, 6, 7)] + [-1] * 9
     # many ties (+0.0 and -0.0 among them), rows with nothing or little visible, topk past K,
-    # huge values: the reference's selection and order exactly
+    # huge values: the reference's selection exactly
     for Tq, K, k in ((5, 300, 37), (3, 100, 128), (4, 1000, 64), (2, 7, 3)):
         x = torch.randn(Tq, K, generator=g).round(decimals=1)
         x[0, K // 2:] = inf

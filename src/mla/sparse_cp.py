@@ -9,8 +9,8 @@ cp = cp_size, k = index_topk, and a key's *global index* = its position in the s
                     key's global index is past the query's position (causal by position)
         cand_r    = local top-k of logits_r: (score, global index) [rows, k]     -1: no key
         cand      = all-gather of cand_r over the CP group  [cp, rows, k]
-        indices   = the best k of cand by (score descending, global index ascending), -1 padded:
-                    the same on every rank
+        indices   = the best k of cand by (score descending, global index ascending), in
+                    ascending global index, -1 padded: the same on every rank
         o_r, lse_r = sparse attention over the selected keys rank r owns (absorbed, with LSE)
         o          = Helix exchange + LSE combine (absorbed.helix_combine)
 
@@ -18,8 +18,8 @@ The merge is exact: order all keys by (score descending, global index ascending)
 the single-rank ``topk_indices`` (a stable sort: ties to the lower key; -0.0 ties with 0.0). A
 key among the best k of all keys has fewer than k keys before it in that order, so fewer than k
 of its own rank's keys before it: it is among its rank's best k. The global top-k is therefore a
-subset of the union of the per-rank top-ks, and the best k of that union is the global top-k,
-in the same order. A rank's local rows are in global order, so its local top-k (ties to the
+subset of the union of the per-rank top-ks, and the best k of that union is the global top-k
+(both then listed in key order). A rank's local rows are in global order, so its local top-k (ties to the
 lower local row) is its best k in the global order too. The scores are the same op's over fewer
 keys: where its float32 dot products round differently for another key count (a CPU BLAS picks
 its kernel by shape), only keys whose scores tie within that rounding can be ordered otherwise
@@ -106,16 +106,17 @@ _NO_KEY = int(_order_keys(torch.tensor([float("-inf")]), torch.tensor([0]))[0]) 
 def merge_topk(scores: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
     """The best ``topk`` of candidates: scores [rows, N] float32 (-inf: none) and their global key
     indices [rows, N] int32 (distinct where the score is finite) -> [rows, topk] int32 global
-    indices, best first, ties to the lower index, -1 past the finite candidates: the order of
-    ``ops.topk_indices`` over all keys, whose top-k the union of per-rank top-ks holds."""
+    indices in ascending order, ties at the k-th score to the lower index, -1 past the finite
+    candidates: ``ops.topk_indices`` over all keys, whose top-k the union of per-rank top-ks holds."""
     rows, N = scores.shape
     out = torch.full((rows, topk), -1, dtype=torch.int32, device=scores.device)
     k = min(topk, N)
     if rows == 0 or k == 0:
         return out
     best = torch.topk(_order_keys(scores, index), k, dim=-1).values
-    pos = (0x7FFFFFFF - (best & 0x7FFFFFFF)).to(torch.int32)
-    out[:, :k] = torch.where((best >> 32) == _NO_KEY, -1, pos)
+    pos = torch.where((best >> 32) == _NO_KEY, 1 << 31, 0x7FFFFFFF - (best & 0x7FFFFFFF))
+    pos = pos.sort(dim=-1).values       # key order, the candidates that are none (1 << 31) last
+    out[:, :k] = torch.where(pos == 1 << 31, -1, pos).to(torch.int32)
     return out
 
 

@@ -1,6 +1,6 @@
 """``mla bench sparse``: sparse MLA decode, sparse prefill and the lightning indexer, beside FlashMLA.
 
-    mla bench sparse [--section decode prefill indexer] [--quick] [--heads 16 64 128] [--batch 32 128]
+    mla bench sparse [--section decode prefill indexer step] [--quick] [--heads 16 64 128] [--batch 32 128]
                      [--s-q 1 2] [--topk 2048] [--context 32768] [--page 64] [--kv bf16 fp8_tile]
                      [--prefill-heads 64 128] [--prefill-queries 4096] [--prefill-kv 32768]
                      [--index-heads 64] [--index-dim 128] [--index-keys bf16 fp8_ue8m0] [--no-peers] [--csv F]
@@ -24,6 +24,8 @@ table, a few -1 at the tail of every 7th query, NaN in every row no index names)
    DeepSeek's FP8 rows [blocks, page, dim + 4], ``--index-keys``) apart and
    chained, and their sum as a fraction of the 128-head s_q 1 sparse decode at the same B
    (the issue's target: at most 25%).
+4. step: a whole DeepSeek-V3.2 layer's decode step against the dense DeepSeek-V3 step at
+   ``--context`` (``mla.bench.sparse_step``).
 
 Every provider is checked against ``mla.ops.reference`` on the shape before it is timed
 (``mla.bench.sparse_checks``: out within 5e-3 norm-wise (1e-2 on FP8 tile rows), lse within 1e-2, indexer logits
@@ -55,7 +57,7 @@ __all__ = ["add_args", "validate", "run", "Grid", "grid", "sparse_decode_bytes",
            "sparse_prefill_bytes", "sparse_prefill_flops", "indexer_bytes", "indexer_flops", "time_calls",
            "indexer_budget"]
 
-SECTIONS = ("decode", "prefill", "indexer")
+SECTIONS = ("decode", "prefill", "indexer", "step")
 INDEX_KEYS = ("bf16", "fp8_ue8m0")   # the indexer's key rows (mla.quant)
 KV_FORMATS = ("bf16", "fp8_tile")
 INDEXER_TARGET = 0.25      # issue 32: indexer + top-k at most this fraction of the sparse decode
@@ -425,7 +427,13 @@ def indexer_budget(rows: list[dict], batches, index_keys=("bf16",)) -> list[dict
     return out
 
 
-RUNS = {"decode": run_decode, "prefill": run_prefill, "indexer": run_indexer}
+def run_step(g: Grid, fm, rows: list, csv: str | None) -> None:
+    from .sparse_step import run_step as run
+
+    run(g, fm, rows, csv)
+
+
+RUNS = {"decode": run_decode, "prefill": run_prefill, "indexer": run_indexer, "step": run_step}
 
 
 def run(args) -> int:

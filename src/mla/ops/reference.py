@@ -273,8 +273,9 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
 
     logits [Tq, K] float32 (-inf: a key the query does not see), rows packed by sequence
     (cu_seqlens_q [B + 1] int32); key s of sequence b lives at slot
-    block_table[b, s // block_size] * block_size + s % block_size. Returns [Tq, topk] int32,
-    best first; ties go to the lower key index (a stable sort), so the selection is
+    block_table[b, s // block_size] * block_size + s % block_size. Returns [Tq, topk] int32:
+    the selected keys in key order (ascending position, as the attention reads them), then -1.
+    Ties at the k-th score go to the lower key index (a stable sort), so the selection is
     deterministic; a query that sees fewer than topk keys gets all of them, then -1.
     """
     Tq, K = logits.shape
@@ -284,6 +285,10 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
         return out
     values, pos = torch.sort(logits, dim=-1, descending=True, stable=True)
     values, pos = values[:, :k], pos[:, :k]
+    # key order; an unseen key (-inf) sorts past every seen one and becomes -1
+    pos = torch.where(torch.isneginf(values), K, pos).sort(dim=-1).values
+    values = torch.where(pos < K, 0.0, float("-inf"))
+    pos = pos.clamp(max=K - 1)
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=logits.device), counts)   # [Tq]
     col = (pos // block_size).clamp(max=max(block_table.shape[1] - 1, 0))

@@ -84,9 +84,10 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size, *, backend
     block_table:  [B, max_blocks] int32; key s of sequence b is at slot
                   block_table[b, s // block_size] * block_size + s % block_size
     cu_seqlens_q: [B + 1] int32, the rows of each sequence in logits
-    Returns [Tq, topk] int32, best first, -1 after the last key a query sees. Ties go to the
-    lower key index, so the selection is deterministic; a query that sees at most topk keys
-    gets all of them.
+    Returns [Tq, topk] int32: the selected keys in key order (ascending position; attention
+    does not depend on the order, and the kernels need no sort), then -1. Ties at the k-th
+    score go to the lower key index, so the selection is deterministic; a query that sees at
+    most topk keys gets all of them.
     """
     check(isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32,
           lambda: f"logits: expected float32 [Tq, K], got {describe(logits)}")
