@@ -75,6 +75,15 @@ def rope_append_args(g, backend, cache_dtype=torch.float32):
             (q_pe, k_pe, c_kv, angle.cos(), angle.sin(), kv, slots, True, 0.5, backend))
 
 
+def rope_args(g, backend):
+    T, H = 5, 3
+    q = torch.randn(T, H, 2 * DR, generator=g)[..., DR:]     # RoPE on a slice of each row, as the indexer's
+    k = torch.randn(T, 2 * DR, generator=g)[:, :DR]
+    angle = torch.rand(T, DR // 2, generator=g) * 6
+    return (q, k, angle.cos(), angle.sin(), False), dict(backend=backend), (q, k, angle.cos(), angle.sin(), False,
+                                                                              backend)
+
+
 def gather_args(g, backend):
     kv = torch.randn(8, 4, R + DR, generator=g)
     table, starts, cu = i32([5, 0, 3, 1], [7, 2, 4, 6]), i32(2, 0), i32(0, 7, 12)
@@ -135,7 +144,7 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
     "mla_decode_fp8": ("mla_decode", lambda g, b: decode_args(g, b, torch.float8_e4m3fn)),
     "merge_attention": ("merge_attention", merge_args), "rms_norm": ("rms_norm", rms_norm_args),
-    "rope_append": ("rope_append", rope_append_args),
+    "rope": ("rope", rope_args), "rope_append": ("rope_append", rope_append_args),
     "rope_append_fp8": ("rope_append", lambda g, b: rope_append_args(g, b, torch.float8_e4m3fn)),
     "gather_latent": ("gather_latent", gather_args), "quantize_act_1x128": ("quantize_act_1x128", quantize_args),
     "fp8_linear": ("fp8_linear", fp8_linear_args), "fp8_bmm": ("fp8_bmm", fp8_bmm_args),
@@ -146,11 +155,11 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
-TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope_append", "gather_latent", "quantize_act_1x128")
+TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent", "quantize_act_1x128")
 
 
 def test_every_public_op_is_registered():
-    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append",
+    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append",
                         "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
                         "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}
@@ -208,7 +217,7 @@ def test_compiled_call_matches_eager(case, backend):
     eager_args, compiled_args = [_clone(a) for a in args], [_clone(a) for a in args]
     want = fn(*eager_args, **kwargs)
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*compiled_args, **kwargs)
-    if want is None:   # rope_append: what it wrote in place
+    if want is None:   # rope, rope_append: what they wrote in place
         want, got = eager_args, compiled_args
     for w, c in zip(want, got):
         if isinstance(w, torch.Tensor):

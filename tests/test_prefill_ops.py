@@ -243,6 +243,41 @@ def test_rope_append_cpu(dtype, interleave, heads):
     assert torch.equal(cache.view(-1, r + dr)[untouched], before.view(-1, r + dr)[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("heads", [0, 1, 5])
+def test_rope_in_place_on_slices_of_rows(dtype, interleave, heads):
+    """ops.rope (the sparse indexer's RoPE): the triton backend rotates the slices exactly as the
+    reference does and leaves the rest of each row as it was; no token is a no-op."""
+    from mla import ops
+
+    for T in (0, 6):
+        q = torch.randn(T, heads, 48).to(dtype)          # RoPE on columns 8 .. 24 of each head's row
+        k = torch.randn(T, 40).to(dtype)                 # and on the first 16 of each key
+        ang = torch.rand(T, 8) * 10
+        q0, k0 = q.clone(), k.clone()
+        q_ref, k_ref = q.clone(), k.clone()
+        ops.rope(q[..., 8:24], k[:, :16], ang.cos(), ang.sin(), interleave, backend="triton")
+        reference.rope(q_ref[..., 8:24], k_ref[:, :16], ang.cos(), ang.sin(), interleave)
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+        assert torch.equal(q[..., :8], q0[..., :8]) and torch.equal(q[..., 24:], q0[..., 24:])
+        assert torch.equal(k[:, 16:], k0[:, 16:])
+        assert T == 0 or not torch.equal(k[:, :16], k0[:, :16])
+
+
+def test_rope_refuses_by_name():
+    from mla import ops
+
+    q, k, c = torch.randn(3, 2, 16), torch.randn(3, 16), torch.rand(3, 8)
+    for args, name in (((q, k[:2], c, c), "k_pe"), ((q[..., :15], k[:, :15], c, c), "q_pe"),
+                       ((q, k, c[:, :4], c[:, :4]), "cos, sin"), ((q, k.double(), c, c), "k_pe"),
+                       ((q.expand(3, 2, 16)[:, :1].expand(3, 4, 16), k, c, c), "q_pe")):
+        with pytest.raises(ValueError, match=name):
+            ops.rope(*args, False, backend="torch")
+    with pytest.raises(ValueError, match="interleave"):
+        ops.rope(q, k, c, c, "no")
+
+
 def _fp8_cache(nb, bs, r, dr, fmt, device="cpu"):
     """An FP8 cache full of NaN rows (tile rows: all bytes 0xFF, NaN latents and scales)."""
     if fmt == "fp8":

@@ -332,23 +332,33 @@ def indexer_inputs():
     return q, w, keys, table, seqlens, int32(offsets(QUERIES))
 
 
-def indexer_logits():
-    from mla import ops
+def indexer_logits(keys="bf16"):
+    """keys "fp8": DeepSeek's FP8 key rows (132 bytes, read 4 at a time) and queries quantized alike."""
+    from mla import ops, quant
 
-    args = indexer_inputs()
+    q, w, k, table, seqlens, cu_q = indexer_inputs()
+    if keys == "fp8":
+        n, page = k.shape[:2]
+        k = quant.quantize_index(quant.rotate(k.view(n * page, -1)), "fp8").view(n, page, -1)
+        q = quant.fake_quant(quant.rotate(q), "fp8").to(q.dtype)
+    args = (q, w, k, table, seqlens, cu_q)
     got = ops.indexer_logits(*cuda(*args), max(RAGGED), INDEX_DIM ** -0.5)
     want = reference("indexer_logits", *args, max(RAGGED), INDEX_DIM ** -0.5)
     return f"logits {expect_close(got, want, 2e-2, 'logits'):.1e}"
 
 
-def topk_indices(topk=64):
+def topk_indices(topk=64, repeat=1):
     """The top-k of the reference's logits: the same slots (random scores have no ties), -1 past
-    the keys a query sees."""
+    the keys a query sees. ``repeat``: the queries that many times over (past 132 queries the op
+    runs its one-program kernel, below its chunked passes)."""
     from mla import ops
 
     args = indexer_inputs()
     _, _, _, table, _, cu_q = args
-    logits = reference("indexer_logits", *args, max(RAGGED), INDEX_DIM ** -0.5)
+    logits = reference("indexer_logits", *args, max(RAGGED), INDEX_DIM ** -0.5).repeat(repeat, 1)
+    cu_q = torch.cat((cu_q[:1], cu_q[1:].repeat(repeat) + (torch.arange(repeat) * cu_q[-1]).repeat_interleave(
+        len(RAGGED)))).int()
+    table = table.repeat(repeat, 1)
     got = ops.topk_indices(*cuda(logits), topk, *cuda(table, cu_q), PAGE)
     want = reference("topk_indices", logits, topk, table, cu_q, PAGE)
     assert torch.equal(got.cpu(), want), "indices differ from the reference's"
@@ -467,7 +477,10 @@ CASES = {
     "fp8_bmm/h3-k128-n512": P(fp8_bmm, 3, 5, 512, 128),
     # sparse MLA, through the public ops with the default backend
     "sparse/indexer_logits": indexer_logits,
+    "sparse/indexer_logits-fp8": P(indexer_logits, "fp8"),
     "sparse/topk_indices": topk_indices,
+    "sparse/topk_indices-one-program": P(topk_indices, 64, 30),
+    "sparse/decode-bf16-h128-s2": P(sparse_decode, "plain", 128, 2),
     "sparse/decode-bf16-h16-s2": P(sparse_decode, "plain", 16, 2),
     "sparse/decode-fp8-h16-s2": P(sparse_decode, "fp8", 16, 2),
     "sparse/decode-fp8tile-h128-s1": P(sparse_decode, "fp8_tile", 128, 1),

@@ -29,7 +29,6 @@ from . import kpool, ops
 from .absorbed import absorb_query, apply_uv
 from .batch import Batch
 from . import quant
-from .rope import apply_rope
 from .strategy import Plan, SparseChunk
 
 __all__ = ["index_query_key", "append_index_keys", "index_query", "selection_key", "shared_indices", "select_pools",
@@ -51,8 +50,7 @@ def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor
     # dot products do not depend on the layout it leaves (transformers' GLM indexer
     # de-interleaves, this keeps it)
     rot = slice(d - dr, d) if cfg.index_rope_last else slice(0, dr)
-    q[..., rot] = apply_rope(q[..., rot], cos, sin, cfg.index_rope_interleave)
-    k[:, rot] = apply_rope(k[:, rot], cos, sin, cfg.index_rope_interleave)
+    ops.rope(q[..., rot], k[:, rot], cos, sin, cfg.index_rope_interleave, backend=layer.op_backend)
     return q, k, w
 
 

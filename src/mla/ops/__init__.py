@@ -29,14 +29,14 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       check_latent_query_cache,
                       dense, describe, offsets_ok)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append", "gather_latent",
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rms_norm": "norm", "rope_append": "cache_append", "gather_latent": "gather",
+                   "rms_norm": "norm", "rope": "cache_append", "rope_append": "cache_append", "gather_latent": "gather",
                    "quantize_act_1x128": "fp8_gemm", "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
                    "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
                    "indexer_logits": "indexer", "topk_indices": "indexer"}
@@ -217,6 +217,28 @@ def rms_norm(x, weight, eps, *, backend=None):
     check(eps >= 0, lambda: f"eps: expected a finite real number >= 0, got {eps!r}")
     resolve_backend(backend, x.device)
     return _library.rms_norm(x, weight, eps, backend)
+
+
+def rope(q_pe, k_pe, cos, sin, interleave, *, backend=None):
+    """RoPE in place: q_pe [T, H, dr] and k_pe [T, dr] (float, any strides, no overlapping
+    elements) rotated by cos, sin [T, dr/2] float32, pairs as in ``rope_append``, in float32 and
+    cast back. ``rope_append`` without the cache: the sparse indexer's queries and keys, whose
+    RoPE part is a slice of their rows. Returns None."""
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("cos", cos), ("sin", sin)):
+        check(isinstance(t, torch.Tensor), lambda: f"{name}: expected a tensor, got {describe(t)}")
+    check(q_pe.dim() == 3 and q_pe.dtype in FLOAT, lambda: f"q_pe: expected float [T, H, dr], got {describe(q_pe)}")
+    T, _, dr = q_pe.shape
+    check(k_pe.shape == (T, dr) and k_pe.dtype in FLOAT,
+          lambda: f"k_pe: expected float [{T}, {dr}], got {describe(k_pe)}")
+    check(dr % 2 == 0, lambda: f"q_pe: expected an even RoPE width (pairs), got {dr}")
+    check(cos.shape == (T, dr // 2) and sin.shape == cos.shape and cos.dtype == torch.float32
+          and sin.dtype == torch.float32,
+          lambda: f"cos, sin: expected float32 [{T}, {dr // 2}], got {describe(cos)}, {describe(sin)}")
+    for name, t in (("k_pe", k_pe), ("cos", cos), ("sin", sin)):
+        check(t.device == q_pe.device, lambda: f"{name}: expected device {q_pe.device} (q_pe's), got {t.device}")
+    check_flag("interleave", interleave)
+    resolve_backend(backend, q_pe.device)
+    _library.rope(q_pe, k_pe, dense(cos), dense(sin), interleave, backend)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None):

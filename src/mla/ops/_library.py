@@ -27,7 +27,7 @@ from . import reference
 from ._checks import (check, check_gather_values, check_index_values, check_interpretable, check_paged_values,
                       check_writable, host_offsets)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope_append", "gather_latent",
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices", "sparse_mla_decode",
            "sparse_prefill_attention", "OPS"]
 
@@ -168,6 +168,18 @@ def _(x, weight, eps, backend):
 
 
 # ---- the latent cache -----------------------------------------------------------------------
+
+@_op("mla::rope", mutates_args=("q_pe", "k_pe"))
+def rope(q_pe: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, interleave: bool, backend: Optional[str]) -> None:
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe)):
+        check_writable(name, t)
+    _pick("rope", backend, q_pe.device, args=(q_pe, k_pe))(q_pe, k_pe, cos, sin, interleave)
+
+
+@rope.register_fake
+def _(q_pe, k_pe, cos, sin, interleave, backend):
+    return None
+
 
 @_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache"))
 def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,

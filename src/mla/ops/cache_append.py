@@ -25,7 +25,7 @@ import triton.language as tl
 from ._jit import jit, kv_fmt
 from .fp8_gemm import nan_if_any, round_to_bf16, to_e4m3
 
-__all__ = ["rope_append"]
+__all__ = ["rope_append", "rope"]
 
 
 @jit
@@ -77,7 +77,7 @@ def _rope_append_kernel(
     stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
     H, R, block_size, num_slots, kv_scale,
     HALF: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, KV_FMT: tl.constexpr,
+    BLOCK_R: tl.constexpr, KV_FMT: tl.constexpr, APPEND: tl.constexpr = True,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -98,22 +98,24 @@ def _rope_append_kernel(
             k_ptr = KPE + t64 * stride_kt + d[None, :] * stride_kd
             k = _rotate(tl.load(k_ptr), c, s, 1, HALF, INTERLEAVE).to(KPE.dtype.element_ty)
             tl.store(k_ptr, k)
-        slot = tl.load(SLOTS + t)
-        if (slot >= 0) & (slot < num_slots):   # unchecked on CUDA: a slot past the pool is skipped
-            dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
-            if KV_FMT == 2:
-                _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, R)
-                if ROPE:
-                    k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
-                    tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
-            else:
-                if ROPE:
-                    tl.store(dst + (R + d[None, :]) * stride_kvd,
-                             _to_cache(k, kv_scale, KV.dtype.element_ty, KV_FMT))
-                for r0 in range(0, R, BLOCK_R):
-                    r = r0 + tl.arange(0, BLOCK_R)
-                    c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
-                    tl.store(dst + r * stride_kvd, _to_cache(c_kv, kv_scale, KV.dtype.element_ty, KV_FMT), mask=r < R)
+        if APPEND:     # False: ``rope``, the rotation alone
+            slot = tl.load(SLOTS + t)
+            if (slot >= 0) & (slot < num_slots):   # unchecked on CUDA: a slot past the pool is skipped
+                dst = KV + (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvr
+                if KV_FMT == 2:
+                    _store_tile_row(dst, CKV + t64 * stride_ct, stride_cd, R)
+                    if ROPE:
+                        k16 = round_to_bf16(k.to(tl.float32)).to(tl.bfloat16)
+                        tl.store((dst + R + 4 * (R // 128)).to(tl.pointer_type(tl.bfloat16)) + d[None, :], k16)
+                else:
+                    if ROPE:
+                        tl.store(dst + (R + d[None, :]) * stride_kvd,
+                                 _to_cache(k, kv_scale, KV.dtype.element_ty, KV_FMT))
+                    for r0 in range(0, R, BLOCK_R):
+                        r = r0 + tl.arange(0, BLOCK_R)
+                        c_kv = tl.load(CKV + t64 * stride_ct + r * stride_cd, mask=r < R, other=0.0)
+                        tl.store(dst + r * stride_kvd, _to_cache(c_kv, kv_scale, KV.dtype.element_ty, KV_FMT),
+                                 mask=r < R)
 
 
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
@@ -147,6 +149,34 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
         BLOCK_R=min(512, triton.next_power_of_2(max(r, 1))), KV_FMT=fmt, num_warps=4,
     )
     return None
+
+
+def rope(q_pe, k_pe, cos, sin, interleave):
+    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] float32: the
+    kernel's rotation alone (see ``mla.ops.reference.rope``). Returns None."""
+    T, H, dr = q_pe.shape
+    if T == 0 or dr == 0:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = min(32, triton.next_power_of_2(max(H, 1)))
+    # no row is written: the cache's pointers and strides are q_pe's, never read
+    _rope_append_kernel[(T, triton.cdiv(H, block_h) if H > 0 else 1)](
+        q_pe, k_pe, q_pe, cos, sin, q_pe, q_pe,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1), 0, 0,
+        cos.stride(0), sin.stride(0), 0, 0, 0, H, 0, 1, 0, 1.0,
+        HALF=dr // 2, ROPE=True, INTERLEAVE=bool(interleave), BLOCK_H=block_h, BLOCK_R=1, KV_FMT=0,
+        APPEND=False, num_warps=4,
+    )
+    return None
+
+
+def rope_takes(q_pe, k_pe) -> bool:
+    """Whether the kernel rotates these: dr a power of two (it splits whole rows in two)."""
+    dr = q_pe.shape[-1]
+    return dr >= 2 and not dr & (dr - 1)
+
+
+rope.takes = rope_takes
 
 
 def takes(q_pe, c_kv, kv_cache) -> bool:

@@ -15,8 +15,8 @@ import torch
 from ..quant import cache_format, dequantize_index, dequantize_rows, quantize_rows
 from ..rope import apply_rope
 
-__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rope_append", "gather_latent",
-           "softmax_attend",
+__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rope", "rope_append",
+           "gather_latent", "softmax_attend",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 
@@ -148,14 +148,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rope(q_pe, k_pe, cos, sin, interleave):
+    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32)."""
+    q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
+    k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
+
+
 def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
     """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32), and
     write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
     block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset;
     a negative slot is not written).
     """
-    q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
-    k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
+    rope(q_pe, k_pe, cos, sin, interleave)
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     keep = slot_mapping >= 0   # a negative slot: the token is stored elsewhere (another CP rank)
     rows = torch.cat((c_kv, k_pe), dim=-1)[keep]
