@@ -155,7 +155,8 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
-TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent", "quantize_act_1x128")
+TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
+                  "quantize_act_1x128")
 
 
 def test_every_public_op_is_registered():

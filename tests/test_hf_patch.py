@@ -214,7 +214,8 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "mistral4", "minicpm3", "kimi_linear", "longcat_flash"])
+@pytest.mark.parametrize("case", ["deepseek_v3", "mistral4", "minicpm3", "kimi_linear", "longcat_flash",
+                                  "deepseek_v32"])
 def test_graphs_generate_matches_eager(case, monkeypatch):
     """patch(graphs=True): every decode step of every layer runs through the layer's StepGraph
     (on CPU its static buffers, eagerly), prompts eagerly; the tokens are the unpatched model's
@@ -238,8 +239,17 @@ def test_graphs_generate_matches_eager(case, monkeypatch):
 
 
 def test_graphs_refused_where_a_graph_cannot_serve():
-    with pytest.raises(ValueError, match="graphs: 'deepseek_v32' has a sparse indexer"):
-        mla.hf.patch(make_model("deepseek_v32"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
+    glm = make_model("glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    with pytest.raises(ValueError, match="graphs: 'glm_moe_dsa' shares a top-k across layers"):
+        mla.hf.patch(glm, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
+    assert not stand_ins(glm)
+    v32 = make_model("deepseek_v32")
+    cfg = mla.hf.patch_config(v32)
+    fp8_keys = mla.PagedLatentCache(cfg, num_layers=v32.config.num_hidden_layers, num_blocks=NUM_BLOCKS,
+                                    block_size=BLOCK_SIZE, dtype=torch.float32, index_format="fp8")
+    with pytest.raises(ValueError, match="graphs: 'deepseek_v32': index_format 'fp8'"):
+        mla.hf.patch(v32, fp8_keys, graphs=True)
+    assert not stand_ins(v32)
     model = make_model("deepseek_v3")
     with pytest.raises(ValueError, match="graphs: expected True, False or None"):
         mla.hf.patch(model, graphs="yes")

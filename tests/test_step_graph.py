@@ -27,6 +27,8 @@ class Step(torch.nn.Module):
             layer = mla.MLA(cfg, layer_idx=i, dtype=dtype, device=device, backend=backend,
                             fp8_weights="always" if fp8_weights else "never")
             sd = random_state_dict(cfg, torch.Generator().manual_seed(seed + 1 + i))
+            if i in cfg.index_shared_layers:    # GLM-5's shared layers have no indexer of their own
+                sd = {k: v for k, v in sd.items() if not k.startswith("indexer.")}
             layer.load_hf_state_dict(quantize_checkpoint_fp8(sd) if fp8_weights else sd)
             self.layers.append(layer)
 
@@ -253,8 +255,45 @@ def test_constructor_arguments_are_checked():
     with pytest.raises(ValueError, match="cache: expected a mla.PagedLatentCache"):
         mla.StepGraph(step, "cache", **good)
     sparse = cfg.replace(index_topk=8, index_n_heads=2, index_head_dim=16)
-    with pytest.raises(ValueError, match="cache: .*sparse indexer"):
-        mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4), **good)
+    mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4), **good)    # served
+    with pytest.raises(ValueError, match="cache: .*sparse indexer: index_format 'fp8'"):
+        mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4, index_format="fp8"), **good)
+    with pytest.raises(ValueError, match="cache: .*sparse indexer: .*k-pool"):
+        mla.StepGraph(step, mla.PagedLatentCache(sparse.replace(index_kpool=4, qk_rope_head_dim=0), num_blocks=4,
+                                                 block_size=4), **good)
+
+
+SPARSE = dict(index_topk=6, index_n_heads=2, index_head_dim=16)
+
+
+@pytest.mark.parametrize("s_q", [1, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sparse_static_path_equals_eager_step(s_q, shared):
+    """A sparse-indexer config through the static buffers: every sequence on the sparse path
+    (those within index_topk keys select all of them: the eager step's dense result), padding
+    rows writing neither latent rows nor index keys; GLM-5's shared layer recalls the first
+    layer's top-k from the bucket's batch."""
+    cfg = mla.MLAConfig.preset("tiny").replace(**SPARSE, index_shared_layers=(1,) if shared else ())
+    step = Step(cfg, 2, torch.float32)
+    caches = []
+    for _ in range(2):
+        cache = nan_cache(cfg, torch.float32)
+        cache.index_kv.fill_(float("nan"))
+        caches.append(cache)
+    eager_cache, graph_cache = caches
+    graph = mla.StepGraph(step, graph_cache, max_blocks_per_seq=16, s_q=s_q, buckets=(1, 2, 4, 8),
+                          dtype=torch.float32)
+    want = serve(eager_cache, step, s_q)
+    got = serve(graph_cache, step, s_q, graph)
+    assert len(got) == 6
+    plan = step.layers[0].plan(graph._batches[4])
+    assert plan.strategy == ["sparse"] * 4 and plan.sparse[0].max_seqlen_k == 16 * 4 and not plan.absorbed
+    for w, o in zip(want, got):
+        assert torch.isfinite(o).all()
+        assert_same(o, w, torch.float32)
+    # the same rows written (layer 1's inputs within float32 rounding of the eager step's), and no other
+    assert same_kv(graph_cache.kv, eager_cache.kv, F32_RTOL)
+    assert same_kv(graph_cache.index_kv, eager_cache.index_kv, F32_RTOL)
 
 
 def test_eager_decode_plan_is_one_group_on_the_batch_tensors():
@@ -284,6 +323,20 @@ def gpu_trace(s_q):
             ("release", "c"), dec("b"), dec("a", "b", "d", "e", "f"), ("truncate", "f", 2), dec("f", "d")]
 
 
+def run_gpu_trace(cfg, steps, s_q, dtype, backend, graphed, cache_dtype=None, fp8_weights=False):
+    """Two layers serving ``steps`` on a NaN-filled cache (its index keys too) of 96 pages of 64,
+    through a StepGraph of 32-block tables where ``graphed``: (outputs, cache, graph)."""
+    step = Step(cfg, 2, dtype, device="cuda", backend=backend, fp8_weights=fp8_weights)
+    cache = nan_cache(cfg, cache_dtype or dtype, device="cuda", block_size=64, num_blocks=96)
+    if cache.index_kv is not None:
+        cache.index_kv.fill_(float("nan"))
+    # 32 blocks: bucket 8 of FP8 rows past the portable kernel's 8192 keys (the e4m3 kernel)
+    graph = mla.StepGraph(step, cache, max_blocks_per_seq=32, s_q=s_q, dtype=dtype) if graphed else None
+    outs = serve(cache, step, s_q, graph, device="cuda", dtype=dtype, steps=steps)
+    torch.cuda.synchronize()
+    return outs, cache, graph
+
+
 @cuda
 @pytest.mark.parametrize("cache_dtype,s_q,fp8_weights", [(torch.bfloat16, 1, False), (torch.bfloat16, 3, False),
                                                         (torch.float8_e4m3fn, 1, False),
@@ -296,14 +349,8 @@ def test_replayed_graph_matches_eager_step_gpu(cache_dtype, s_q, fp8_weights):
     steps = gpu_trace(s_q)
 
     def run(dtype, backend, graphed):
-        step = Step(cfg, 2, dtype, device="cuda", backend=backend, fp8_weights=fp8_weights)
         rows = cache_dtype if cache_dtype == torch.float8_e4m3fn else dtype   # plain rows in the layer's dtype
-        cache = nan_cache(cfg, rows, device="cuda", block_size=64, num_blocks=96)
-        # 32 blocks: bucket 8 of FP8 rows past the portable kernel's 8192 keys (the e4m3 kernel)
-        graph = mla.StepGraph(step, cache, max_blocks_per_seq=32, s_q=s_q, dtype=dtype) if graphed else None
-        outs = serve(cache, step, s_q, graph, device="cuda", dtype=dtype, steps=steps)
-        torch.cuda.synchronize()
-        return outs, cache, graph
+        return run_gpu_trace(cfg, steps, s_q, dtype, backend, graphed, rows, fp8_weights)
 
     ref, _, _ = run(torch.float32, "torch", False)
     low, _, _ = run(torch.bfloat16, "torch", False)
@@ -316,6 +363,28 @@ def test_replayed_graph_matches_eager_step_gpu(cache_dtype, s_q, fp8_weights):
         assert _rel(o, r) <= 2 * _rel(lo, r) + 1e-3
     # the same slots written as the eager step's, and no other (padding rows write nothing)
     assert torch.equal(graph_cache.kv.float().isnan(), eager_cache.kv.float().isnan())
+
+
+@cuda
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_replayed_sparse_graph_matches_eager_step_gpu(s_q):
+    """Two DeepSeek-V3.2 layers (16 heads, top-128 of up to 2048 keys, the second sharing the
+    first's top-k as GLM-5 does) captured and replayed against the eager step on the same
+    kernels: the first layer selects from the same inputs (the same keys), so the two agree
+    within bf16 rounding (the eager step serves sequences within 128 keys densely); the same
+    slots written, latent rows and index keys."""
+    cfg = mla.MLAConfig.preset("deepseek-v3").replace(num_heads=16, index_topk=128, index_n_heads=8,
+                                                      index_head_dim=128, index_shared_layers=(1,))
+    steps = gpu_trace(s_q)
+
+    eager, eager_cache, _ = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", False)
+    got, graph_cache, graph = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", True)
+    assert graph.captured == (1, 2, 4, 8) and len(got) == 5
+    for e, o in zip(eager, got):
+        assert torch.isfinite(o).all()
+        assert _rel(o, e) <= 2e-2
+    assert torch.equal(graph_cache.kv.float().isnan(), eager_cache.kv.float().isnan())
+    assert torch.equal(graph_cache.index_kv.float().isnan(), eager_cache.index_kv.float().isnan())
 
 
 @cuda

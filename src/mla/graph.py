@@ -41,9 +41,12 @@ no sequence, and each call checks its batch as a layer would (prepared by the gr
 not stale) before anything is copied. A batch the graph cannot serve raises ValueError naming
 the argument, before anything is written: not pure decode (a prefill, a mixed batch, other
 than s_q tokens a sequence), more sequences than the largest bucket, a table wider than
-``max_blocks_per_seq``. Refused at construction: Helix CP caches and sparse-indexer configs
-(their paths depend on host lengths). The graphs capture the step's weights by address: load
-them before the first call, and build a new StepGraph after loading again.
+``max_blocks_per_seq``. Refused at construction: Helix CP caches, and of the sparse-indexer
+configs those whose path needs host lengths (``strategy.static_sparse_problem``: the k-pool
+indexer, FP8 index keys). The others run every sequence on the sparse path, the indexer's
+logits as wide as the table (max_blocks_per_seq * block_size keys a query). The graphs capture
+the step's weights by address: load them before the first call, and build a new StepGraph after
+loading again.
 
 On CPU there are no CUDA graphs: a call runs the step eagerly on the same padded static
 buffers, so the padding and copies are the same code as on the GPU.
@@ -56,7 +59,7 @@ import torch
 
 from .batch import Batch
 from .cache import PagedLatentCache
-from .strategy import absorb_max_new
+from .strategy import absorb_max_new, static_sparse_problem
 
 __all__ = ["StepGraph", "DEFAULT_BUCKETS"]
 
@@ -90,9 +93,9 @@ class StepGraph:
             raise ValueError(f"cache: expected a mla.PagedLatentCache, got {type(cache).__name__}")
         if cache.cp_size > 1:
             raise ValueError(f"cache: Helix CP (cp_size {cache.cp_size}) is not captured; expected cp_size 1")
-        if cache.cfg.has_indexer:
-            raise ValueError(f"cache: {cache.cfg.name!r} has a sparse indexer, whose path depends on each "
-                             "sequence's length on the host; a CUDA graph cannot serve it")
+        problem = static_sparse_problem(cache.cfg, cache) if cache.cfg.has_indexer else None
+        if problem:
+            raise ValueError(f"cache: a CUDA graph cannot serve this sparse indexer: {problem}")
         for name, v in (("max_blocks_per_seq", max_blocks_per_seq), ("s_q", s_q)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")

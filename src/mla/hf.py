@@ -35,8 +35,9 @@ launches), so a patched model decodes far slower than transformers' compiled sta
 ``generate``; replayed, the host cost of a layer is the copy of the step's batch into the
 graph's buffers.
 Prompts, mixed and larger batches stay eager. Each batch size's graphs are captured at its
-first decode step. Sparse-indexer families are refused there (their step reads each
-sequence's length on the host).
+first decode step. Sparse-indexer families get them when asked (``patch(graphs=True)``), every
+step on the sparse path; refused where layers share a top-k (GLM-5) or the step needs host
+lengths (FP8 index keys, the k-pool indexer).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from .cache import PagedLatentCache
 from .config import MLAConfig
 from .graph import StepGraph
 from .layer import MLA
+from .strategy import static_sparse_problem
 
 __all__ = ["patch", "patch_config", "PatchHandle"]
 
@@ -74,14 +76,17 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     graphs: replay each layer's decode steps from CUDA graphs (module docstring); on CPU the
         same static buffers run eagerly. None (the default): on where the cache is on a GPU and
         the family has no sparse indexer (2.2-2.5x eager's tokens a second on the H200, 4
-        DeepSeek-V3 layers, batch 1-32); True asks for them anywhere (refused for an indexer).
+        DeepSeek-V3 layers, batch 1-32); True asks for them anywhere, for a sparse family too
+        (every decode step on the sparse path, the logits as wide as the table: the pool or the
+        model's positions), refused where a layer shares another's top-k or the graph would need
+        host lengths (``strategy.static_sparse_problem``).
 
     Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.graphs``,
     ``handle.release()`` (return the current request's blocks now) and ``handle.unpatch()``
     (restore the original modules).
     Raises NotImplementedError (naming the model_type) for a family ``from_hf`` refuses, and
-    ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` for
-    a family with a sparse indexer.
+    ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` where
+    a graph cannot serve the family's sparse indexer.
     """
     return PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks,
                        block_size=block_size, max_workspace_tokens=max_workspace_tokens, graphs=graphs)
@@ -159,9 +164,9 @@ class PatchHandle:
         cfg, model_type = _configs(model)
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
-        if graphs and cfg.has_indexer:
-            raise ValueError(f"graphs: {model_type!r} has a sparse indexer, whose step reads each sequence's length "
-                             "on the host; a CUDA graph cannot serve it (patch with graphs=False)")
+        if graphs and cfg.index_shared_layers:
+            raise ValueError(f"graphs: {model_type!r} shares a top-k across layers, which a graph a layer cannot "
+                             "hand on (patch with graphs=False)")
         # GLM-5's, GLM-5.3-Flash's and Hy4's decoder layers take a third output from attention,
         # its top-k, and hand it to the next layer as prev_topk_indices (the shared layers reuse
         # it). The stand-ins return None there: mla's layers share their selection through the
@@ -190,6 +195,9 @@ class PatchHandle:
             raise ValueError(f"cache: expected a PagedLatentCache of mla.hf.patch_config(model) and num_layers >= "
                              f"{len(sites)}, got num_layers={cache.num_layers} "
                              f"and {'the same' if cache.cfg == self.cfg else 'another'} config")
+        problem = static_sparse_problem(cfg, cache) if cfg.has_indexer else None
+        if graphs and problem:
+            raise ValueError(f"graphs: {model_type!r}: {problem} (patch with graphs=False)")
         if graphs is None:
             graphs = cache.device.type == "cuda" and not cfg.has_indexer
         self.model, self.cache, self.model_type = model, cache, model_type

@@ -345,7 +345,7 @@ class MLA(nn.Module):
                 sparse_cp.append_index_keys(k_idx, batch, batch.cache.index_keys(self.layer_idx))
             else:
                 sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
-                                         batch.cache.index_format)
+                                         batch.cache.index_format, backend=self.op_backend)
             index_qkw = (q_idx, w_idx)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:

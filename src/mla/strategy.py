@@ -26,7 +26,8 @@ A batch of decodes only (every sequence absorbed, all with the same s_q) gets th
 plan** (``decode_plan``): one absorbed group over all rows, on the batch's own block table and
 lengths, with no index tensor built and nothing copied to the device. It is the only plan of a
 static batch (a ``mla.StepGraph``'s bucket), whose host lengths are not the replay's: a CUDA
-graph replays it whatever the lengths in its buffers.
+graph replays it whatever the lengths in its buffers. With a sparse indexer a static batch is
+sparse throughout instead, one chunk over its own tensors (``_static_plan``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from .batch import Batch
 from .config import MLAConfig
 
 __all__ = ["STRATEGIES", "absorb_max_new", "choose_strategy", "Plan", "Group", "Pass", "SparseChunk", "build_plan",
+           "static_sparse_problem",
            "decode_plan", "sparse_chunks"]
 
 STRATEGIES = ("prefill", "cached", "chunked", "absorbed", "sparse")
@@ -244,20 +246,46 @@ def decode_plan(batch: Batch, s_q: int) -> Plan:
     return Plan(["absorbed"] * B, absorbed=[group])
 
 
+def static_sparse_problem(cfg: MLAConfig, cache) -> str | None:
+    """Why a static (CUDA-graph) decode batch of a sparse-indexer config over ``cache`` cannot be
+    served, or None. It is served on the sparse path for every sequence, whatever its length (a
+    sequence within sparse_max_keys keys gets all of them: the dense paths' result), over the
+    batch's own tensors; what needs host lengths is refused: the k-pool indexer (its pool
+    tables), Helix CP (each rank's key counts), and FP8 index keys (their append is an indexed
+    copy that a padding row's slot -1 would break)."""
+    if cfg.index_kpool is not None:
+        return f"{cfg.name!r} has the k-pool indexer, whose pool tables are built from host lengths"
+    if cache.cp_size > 1:
+        return f"Helix CP (cp_size {cache.cp_size}) with a sparse indexer needs each rank's key counts on the host"
+    if cache.index_format is not None:
+        return (f"index_format {cache.index_format!r}: FP8 index keys are not captured yet; the cache's own dtype "
+                "(index_format None) is")
+    return None
+
+
 def _static_plan(batch: Batch, cfg: MLAConfig, force: str | None) -> Plan:
     """The decode plan of a static batch, or a ValueError where the rule would choose another
-    path for some lengths (the plan of a CUDA graph cannot depend on them)."""
+    path for some lengths (the plan of a CUDA graph cannot depend on them). With a sparse indexer
+    every sequence is sparse: one chunk over the batch's tensors, the logits as wide as its
+    block table (``static_sparse_problem`` says what is refused)."""
     s_q = batch.num_new[0]
-    if force not in (None, "absorbed", "prefill"):   # "prefill" never applies over a cached prefix
-        raise ValueError(f"strategy: a static (CUDA-graph) decode batch runs the absorbed path, the layer forces "
-                         f"{force!r}; expected None or 'absorbed'")
-    if cfg.has_indexer:
-        raise ValueError(f"batch: {cfg.name!r} has a sparse indexer, whose path depends on each sequence's length; "
-                         "a static (CUDA-graph) batch cannot serve it")
+    if force not in (None, "absorbed", "prefill", "sparse"):   # "prefill" never applies over a cached prefix
+        raise ValueError(f"strategy: a static (CUDA-graph) decode batch runs the absorbed (or, with a sparse "
+                         f"indexer, the sparse) path, the layer forces {force!r}; expected None, 'absorbed' or "
+                         "'sparse'")
     if s_q > absorb_max_new(cfg) or (batch.cache.cp_size > 1 and s_q > 1):
         raise ValueError(f"batch: a static batch of s_q={s_q} is not a decode batch the absorbed path serves alone "
                          f"(s_q <= {absorb_max_new(cfg)}, and 1 under Helix CP)")
-    return decode_plan(batch, s_q)
+    if not cfg.has_indexer:
+        return decode_plan(batch, s_q)
+    problem = static_sparse_problem(cfg, batch.cache)
+    if problem:
+        raise ValueError(f"batch: a static (CUDA-graph) batch cannot serve this sparse layer: {problem}")
+    B = batch.num_seqs
+    chunk = SparseChunk(seqs=list(range(B)), rows=slice(0, B * s_q), block_table=batch.block_table,
+                        cache_seqlens=batch.cache_seqlens, cu_seqlens_q=batch.cu_seqlens_q,
+                        max_seqlen_k=batch.block_table.shape[1] * batch.block_size, num_rows=B * s_q)
+    return Plan(["sparse"] * B, sparse=[chunk])
 
 
 def sparse_chunks(batch: Batch, cfg: MLAConfig, seqs: list[int], max_workspace_tokens: int, ints,

@@ -266,9 +266,10 @@ def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table:
         for b, n in enumerate(cache_seqlens.tolist()):
             check(n <= max_seqlen_k,
                   lambda: f"max_seqlen_k: expected >= every cache_seqlens, got {max_seqlen_k} < {n} (sequence {b})")
-            check(not causal or cq[b + 1] - cq[b] <= n,
+            check(not causal or n == 0 or cq[b + 1] - cq[b] <= n,
                   lambda: f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} "
-                          f"queries (causal), got {n} for sequence {b}")
+                          f"queries (causal), or 0 (a padding sequence: its queries see none), got {n} for "
+                          f"sequence {b}")
     impl = _pick("indexer_logits", backend, q.device)
     check_interpretable("indexer_logits", impl is reference.indexer_logits, q.device, q, index_cache)
     return impl(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,

@@ -1,4 +1,5 @@
-"""The rope_append kernel: fused RoPE + latent-cache append in one kernel.
+"""The rope_append kernel: fused RoPE + latent-cache append in one kernel (and, with APPEND off,
+``rope``: the rotation alone, for the sparse indexer's query and key slices).
 
 For every token t (one program per token and block of heads):
 

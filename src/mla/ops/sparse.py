@@ -42,7 +42,8 @@ def indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqle
                    or DeepSeek's FP8 key rows, uint8 [num_blocks, block_size, quant.index_width(d)]
                    (e4m3 values, then a float32 scale per 128; q then rotated and quantized alike)
     block_table:   [B, max_blocks] int32; cache_seqlens [B] int32, keys of each sequence including
-                   its queries; cu_seqlens_q [B + 1] int32
+                   its queries (or 0: a padding sequence, whose queries see no key); cu_seqlens_q
+                   [B + 1] int32
     max_seqlen_k:  int >= every cache_seqlens, the width of the result
     softmax_scale: the scale of q . k inside the relu (index_head_dim^-0.5)
     causal:        query i of nq sees keys < cache_seqlens - nq + i + 1; else all of its sequence's
