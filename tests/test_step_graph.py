@@ -255,9 +255,9 @@ def test_constructor_arguments_are_checked():
     with pytest.raises(ValueError, match="cache: expected a mla.PagedLatentCache"):
         mla.StepGraph(step, "cache", **good)
     sparse = cfg.replace(index_topk=8, index_n_heads=2, index_head_dim=16)
-    mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4), **good)    # served
-    with pytest.raises(ValueError, match="cache: .*sparse indexer: index_format 'fp8'"):
-        mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4, index_format="fp8"), **good)
+    for index_format in (None, "fp8"):     # served
+        mla.StepGraph(step, mla.PagedLatentCache(sparse, num_blocks=4, block_size=4, index_format=index_format),
+                      **good)
     with pytest.raises(ValueError, match="cache: .*sparse indexer: .*k-pool"):
         mla.StepGraph(step, mla.PagedLatentCache(sparse.replace(index_kpool=4, qk_rope_head_dim=0), num_blocks=4,
                                                  block_size=4), **good)
@@ -266,19 +266,21 @@ def test_constructor_arguments_are_checked():
 SPARSE = dict(index_topk=6, index_n_heads=2, index_head_dim=16)
 
 
-@pytest.mark.parametrize("s_q", [1, 3])
-@pytest.mark.parametrize("shared", [False, True])
-def test_sparse_static_path_equals_eager_step(s_q, shared):
+@pytest.mark.parametrize("s_q,shared,index_format", [(1, False, None), (3, False, None), (1, True, None),
+                                                     (3, True, None), (1, False, "fp8_ue8m0"), (3, True, "fp8")])
+def test_sparse_static_path_equals_eager_step(s_q, shared, index_format):
     """A sparse-indexer config through the static buffers: every sequence on the sparse path
     (those within index_topk keys select all of them: the eager step's dense result), padding
-    rows writing neither latent rows nor index keys; GLM-5's shared layer recalls the first
-    layer's top-k from the bucket's batch."""
+    rows writing neither latent rows nor index keys (bf16 or FP8 key rows); GLM-5's shared
+    layer recalls the first layer's top-k from the bucket's batch."""
     cfg = mla.MLAConfig.preset("tiny").replace(**SPARSE, index_shared_layers=(1,) if shared else ())
     step = Step(cfg, 2, torch.float32)
     caches = []
     for _ in range(2):
-        cache = nan_cache(cfg, torch.float32)
-        cache.index_kv.fill_(float("nan"))
+        cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=64, block_size=4, dtype=torch.float32,
+                                     index_format=index_format)
+        cache.kv.fill_(float("nan"))
+        cache.index_kv.fill_(255 if index_format else float("nan"))     # 0xFF bytes: NaN values and scales
         caches.append(cache)
     eager_cache, graph_cache = caches
     graph = mla.StepGraph(step, graph_cache, max_blocks_per_seq=16, s_q=s_q, buckets=(1, 2, 4, 8),
@@ -293,7 +295,15 @@ def test_sparse_static_path_equals_eager_step(s_q, shared):
         assert_same(o, w, torch.float32)
     # the same rows written (layer 1's inputs within float32 rounding of the eager step's), and no other
     assert same_kv(graph_cache.kv, eager_cache.kv, F32_RTOL)
-    assert same_kv(graph_cache.index_kv, eager_cache.index_kv, F32_RTOL)
+    if index_format is None:
+        assert same_kv(graph_cache.index_kv, eager_cache.index_kv, F32_RTOL)
+    else:   # FP8 rows: the same rows written (within one e4m3 step: the padded GEMMs round apart), no other
+        from mla import quant
+        got_rows, want_rows = (c.index_kv.view(-1, c.index_kv.shape[-1]) for c in (graph_cache, eager_cache))
+        written = (want_rows != 255).any(-1)
+        assert torch.equal((got_rows != 255).any(-1), written) and written.sum() > 0
+        got_k, want_k = (quant.dequantize_index(r[written], cfg.index_head_dim) for r in (got_rows, want_rows))
+        assert (got_k - want_k).abs().max() <= 0.07 * want_k.abs().max()
 
 
 def test_eager_decode_plan_is_one_group_on_the_batch_tensors():

@@ -43,7 +43,7 @@ the argument, before anything is written: not pure decode (a prefill, a mixed ba
 than s_q tokens a sequence), more sequences than the largest bucket, a table wider than
 ``max_blocks_per_seq``. Refused at construction: Helix CP caches, and of the sparse-indexer
 configs those whose path needs host lengths (``strategy.static_sparse_problem``: the k-pool
-indexer, FP8 index keys). The others run every sequence on the sparse path, the indexer's
+indexer). The others run every sequence on the sparse path, the indexer's
 logits as wide as the table (max_blocks_per_seq * block_size keys a query). The graphs capture
 the step's weights by address: load them before the first call, and build a new StepGraph after
 loading again.

@@ -37,7 +37,7 @@ graph's buffers.
 Prompts, mixed and larger batches stay eager. Each batch size's graphs are captured at its
 first decode step. Sparse-indexer families get them when asked (``patch(graphs=True)``), every
 step on the sparse path; refused where layers share a top-k (GLM-5) or the step needs host
-lengths (FP8 index keys, the k-pool indexer).
+lengths (the k-pool indexer).
 """
 from __future__ import annotations
 

@@ -58,16 +58,18 @@ def append_index_keys(k_idx: torch.Tensor, index_cache: torch.Tensor, slot_mappi
                       index_format: str | None = None, backend: str | None = None) -> None:
     """Write k_idx [T, d] at the flat slots [T] int64 of index_cache [num_blocks, block_size, width]:
     as they are, or (an FP8 ``index_format``) Hadamard-rotated and quantized (``mla.quant``).
-    Rows in the cache's dtype go through ``ops.rope_append`` with no RoPE part (one launch, and
-    a negative slot, a CUDA graph's padding row, writes nothing); FP8 rows need every slot valid."""
+    The rows go through ``ops.rope_append`` with no RoPE part: one launch, and a negative slot (a
+    CUDA graph's padding row) writes nothing. FP8 rows (bytes, an even count: d + 4 a group) travel
+    as float16 pairs, which the op copies bit for bit (a cast to the same dtype is none)."""
     if index_format is None:
-        T = k_idx.shape[0]
-        none = k_idx.new_empty(T, 1, 0)           # no RoPE part: the row is k_idx alone
-        angles = torch.empty(T, 0, dtype=torch.float32, device=k_idx.device)
-        ops.rope_append(none, none[:, 0], k_idx, angles, angles, index_cache, slot_mapping, False, backend=backend)
-        return
-    flat = index_cache.view(-1, index_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping, quant.quantize_index(quant.rotate(k_idx), index_format))
+        rows, cache = k_idx, index_cache
+    else:
+        rows = quant.quantize_index(quant.rotate(k_idx), index_format).view(torch.float16)
+        cache = index_cache.view(torch.float16)
+    T = rows.shape[0]
+    none = rows.new_empty(T, 1, 0)                # no RoPE part: the row is written as it is
+    angles = torch.empty(T, 0, dtype=torch.float32, device=rows.device)
+    ops.rope_append(none, none[:, 0], rows, angles, angles, cache, slot_mapping, False, backend=backend)
 
 
 def index_query(q_idx: torch.Tensor, index_format: str | None) -> torch.Tensor:

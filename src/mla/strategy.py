@@ -251,15 +251,11 @@ def static_sparse_problem(cfg: MLAConfig, cache) -> str | None:
     served, or None. It is served on the sparse path for every sequence, whatever its length (a
     sequence within sparse_max_keys keys gets all of them: the dense paths' result), over the
     batch's own tensors; what needs host lengths is refused: the k-pool indexer (its pool
-    tables), Helix CP (each rank's key counts), and FP8 index keys (their append is an indexed
-    copy that a padding row's slot -1 would break)."""
+    tables) and Helix CP (each rank's key counts)."""
     if cfg.index_kpool is not None:
         return f"{cfg.name!r} has the k-pool indexer, whose pool tables are built from host lengths"
     if cache.cp_size > 1:
         return f"Helix CP (cp_size {cache.cp_size}) with a sparse indexer needs each rank's key counts on the host"
-    if cache.index_format is not None:
-        return (f"index_format {cache.index_format!r}: FP8 index keys are not captured yet; the cache's own dtype "
-                "(index_format None) is")
     return None
 
 
