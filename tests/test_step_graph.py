@@ -333,13 +333,17 @@ def gpu_trace(s_q):
             ("release", "c"), dec("b"), dec("a", "b", "d", "e", "f"), ("truncate", "f", 2), dec("f", "d")]
 
 
-def run_gpu_trace(cfg, steps, s_q, dtype, backend, graphed, cache_dtype=None, fp8_weights=False):
-    """Two layers serving ``steps`` on a NaN-filled cache (its index keys too) of 96 pages of 64,
-    through a StepGraph of 32-block tables where ``graphed``: (outputs, cache, graph)."""
+def run_gpu_trace(cfg, steps, s_q, dtype, backend, graphed, cache_dtype=None, fp8_weights=False,
+                  index_format=None):
+    """Two layers serving ``steps`` on a NaN-filled cache (its index keys too: NaN, or 0xFF bytes
+    for FP8 rows) of 96 pages of 64, through a StepGraph of 32-block tables where ``graphed``:
+    (outputs, cache, graph)."""
     step = Step(cfg, 2, dtype, device="cuda", backend=backend, fp8_weights=fp8_weights)
-    cache = nan_cache(cfg, cache_dtype or dtype, device="cuda", block_size=64, num_blocks=96)
+    cache = mla.PagedLatentCache(cfg, num_layers=2, num_blocks=96, block_size=64, dtype=cache_dtype or dtype,
+                                 device="cuda", index_format=index_format)
+    cache.kv.fill_(float("nan"))
     if cache.index_kv is not None:
-        cache.index_kv.fill_(float("nan"))
+        cache.index_kv.fill_(255 if index_format else float("nan"))
     # 32 blocks: bucket 8 of FP8 rows past the portable kernel's 8192 keys (the e4m3 kernel)
     graph = mla.StepGraph(step, cache, max_blocks_per_seq=32, s_q=s_q, dtype=dtype) if graphed else None
     outs = serve(cache, step, s_q, graph, device="cuda", dtype=dtype, steps=steps)
@@ -376,8 +380,8 @@ def test_replayed_graph_matches_eager_step_gpu(cache_dtype, s_q, fp8_weights):
 
 
 @cuda
-@pytest.mark.parametrize("s_q", [1, 2])
-def test_replayed_sparse_graph_matches_eager_step_gpu(s_q):
+@pytest.mark.parametrize("s_q,index_format", [(1, None), (2, None), (1, "fp8_ue8m0")])
+def test_replayed_sparse_graph_matches_eager_step_gpu(s_q, index_format):
     """Two DeepSeek-V3.2 layers (16 heads, top-128 of up to 2048 keys, the second sharing the
     first's top-k as GLM-5 does) captured and replayed against the eager step on the same
     kernels: the first layer selects from the same inputs (the same keys), so the two agree
@@ -387,14 +391,15 @@ def test_replayed_sparse_graph_matches_eager_step_gpu(s_q):
                                                       index_head_dim=128, index_shared_layers=(1,))
     steps = gpu_trace(s_q)
 
-    eager, eager_cache, _ = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", False)
-    got, graph_cache, graph = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", True)
+    eager, eager_cache, _ = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", False, index_format=index_format)
+    got, graph_cache, graph = run_gpu_trace(cfg, steps, s_q, torch.bfloat16, "auto", True, index_format=index_format)
     assert graph.captured == (1, 2, 4, 8) and len(got) == 5
     for e, o in zip(eager, got):
         assert torch.isfinite(o).all()
         assert _rel(o, e) <= 2e-2
     assert torch.equal(graph_cache.kv.float().isnan(), eager_cache.kv.float().isnan())
-    assert torch.equal(graph_cache.index_kv.float().isnan(), eager_cache.index_kv.float().isnan())
+    unwritten = (lambda c: (c.index_kv == 255).all(-1)) if index_format else (lambda c: c.index_kv.float().isnan())
+    assert torch.equal(unwritten(graph_cache), unwritten(eager_cache))
 
 
 @cuda
