@@ -341,11 +341,9 @@ class MLA(nn.Module):
         index_qkw = None
         if self.has_own_indexer:   # every token's indexer key is stored, whichever path serves it
             q_idx, k_idx, w_idx = sparse.index_query_key(self, hidden_states, q_a, cos, sin)
-            if batch.cache.cp_size > 1:     # Helix CP: only the tokens this rank stores
-                sparse_cp.append_index_keys(k_idx, batch, batch.cache.index_keys(self.layer_idx))
-            else:
-                sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
-                                         batch.cache.index_format, backend=self.op_backend)
+            # under Helix CP another rank's token has slot -1, which writes nothing
+            sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
+                                     batch.cache.index_format, backend=self.op_backend)
             index_qkw = (q_idx, w_idx)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:

@@ -42,7 +42,7 @@ from .absorbed import absorb_query, helix_combine
 from .batch import Batch
 from .strategy import Plan, SparseChunk
 
-__all__ = ["HelixChunk", "append_index_keys", "merge_topk", "select", "attend"]
+__all__ = ["HelixChunk", "merge_topk", "select", "attend"]
 
 
 @dataclass
@@ -78,18 +78,6 @@ def helix_chunks(batch: Batch, plan: Plan) -> list[HelixChunk]:
                                   row_seq=ints([j for j, n in enumerate(c.counts) for _ in range(n)], torch.int64)))
         return out
     return batch.memo(("helix_sparse_chunks", id(plan)), build)
-
-
-def append_index_keys(k_idx: torch.Tensor, batch: Batch, index_cache: torch.Tensor) -> None:
-    """``sparse.append_index_keys`` for the tokens this CP rank stores (slot_mapping -1: another
-    rank's): their rows are picked once a step (one device read under CP), then each layer
-    writes them without reading anything back."""
-    def owned():
-        rows = (batch.slot_mapping >= 0).nonzero()[:, 0]
-        return rows, batch.slot_mapping[rows]
-    rows, slots = batch.memo(("helix_owned_slots",), owned)
-    if rows.numel():    # a step may bring this rank none of its tokens
-        sparse.append_index_keys(k_idx.index_select(0, rows), index_cache, slots, batch.cache.index_format)
 
 
 def _order_keys(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
