@@ -292,13 +292,13 @@ def topk_indices(logits, topk, block_table, cu_seqlens_q, block_size):
     values, pos = values[:, :k], pos[:, :k]
     # key order; an unseen key (-inf) sorts past every seen one and becomes -1
     pos = torch.where(torch.isneginf(values), K, pos).sort(dim=-1).values
-    values = torch.where(pos < K, 0.0, float("-inf"))
+    seen = pos < K
     pos = pos.clamp(max=K - 1)
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=logits.device), counts)   # [Tq]
     col = (pos // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
     slots = block_table.long()[seq[:, None], col] * block_size + pos % block_size
-    out[:, :k] = torch.where(torch.isneginf(values), -1, slots).to(torch.int32)
+    out[:, :k] = torch.where(seen, slots, -1).to(torch.int32)
     return out
 
 
