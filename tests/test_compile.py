@@ -65,6 +65,13 @@ def rms_norm_args(g, backend):
     return (x, w, 1e-6), dict(backend=backend), (x, w, 1e-6, backend)
 
 
+def rms_norm_pair_args(g, backend):
+    a = torch.randn(5, 80, generator=g)
+    x1, x2 = a[:, 7:40], a[:, 40:52]                     # column slices of one buffer, as the layer's
+    w1, w2 = torch.randn(33, generator=g), torch.randn(12, generator=g)
+    return (x1, w1, 1e-6, x2, w2, 1e-5), dict(backend=backend), (x1, w1, 1e-6, x2, w2, 1e-5, backend)
+
+
 def rope_append_args(g, backend, cache_dtype=torch.float32):
     T, H = 5, 3
     q_pe, k_pe, c_kv = torch.randn(T, H, DR, generator=g), torch.randn(T, DR, generator=g), torch.randn(T, R, generator=g)
@@ -144,6 +151,7 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
     "mla_decode_fp8": ("mla_decode", lambda g, b: decode_args(g, b, torch.float8_e4m3fn)),
     "merge_attention": ("merge_attention", merge_args), "rms_norm": ("rms_norm", rms_norm_args),
+    "rms_norm_pair": ("rms_norm_pair", rms_norm_pair_args),
     "rope": ("rope", rope_args), "rope_append": ("rope_append", rope_append_args),
     "rope_append_fp8": ("rope_append", lambda g, b: rope_append_args(g, b, torch.float8_e4m3fn)),
     "gather_latent": ("gather_latent", gather_args), "quantize_act_1x128": ("quantize_act_1x128", quantize_args),
@@ -155,14 +163,14 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
-TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
+TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append", "gather_latent",
                   "quantize_act_1x128")
 
 
 def test_every_public_op_is_registered():
-    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append",
-                        "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
-                        "sparse_mla_decode", "sparse_prefill_attention"}
+    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
+                        "rope_append", "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits",
+                        "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}
 
 

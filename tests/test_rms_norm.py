@@ -78,3 +78,45 @@ def test_wide_rows_take_the_reference():
 def test_bad_arguments_are_refused_by_name(args, match):
     with pytest.raises(ValueError, match=match):
         ops.rms_norm(*args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N1,N2", [(0, 7, 3), (1, 1536, 512), (5, 33, 70), (3, 1, 2)])
+def test_pair_is_two_norms_in_one_launch(device, dtype, T, N1, N2):
+    """rms_norm_pair gives the bits of two rms_norm calls on the same backend, each row with its
+    own tensor's weight and eps, from strided inputs (two column slices of one buffer, as the
+    layer passes them)."""
+    g = torch.Generator().manual_seed(T * 7 + N1 + N2)
+    buf = (torch.randn(T, N1 + N2 + 5, generator=g) * 3).to(dtype).to(device)
+    x1, x2 = buf[:, 2: 2 + N1], buf[:, 2 + N1: 2 + N1 + N2]
+    w1, w2 = (torch.randn(n, generator=g).to(dtype).to(device) for n in (N1, N2))
+    for backend in ("torch", "triton"):
+        y1, y2 = ops.rms_norm_pair(x1, w1, 1e-6, x2, w2, 3e-2, backend=backend)
+        assert y1.shape == (T, N1) and y2.shape == (T, N2) and y1.is_contiguous() and y2.is_contiguous()
+        assert torch.equal(y1, ops.rms_norm(x1, w1, 1e-6, backend=backend))
+        assert torch.equal(y2, ops.rms_norm(x2, w2, 3e-2, backend=backend))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_nan_row_stays_in_its_row_and_tensor(device):
+    x1, x2 = torch.randn(3, 64, device=device), torch.randn(3, 16, device=device)
+    x1[1, 5] = float("nan")
+    y1, y2 = ops.rms_norm_pair(x1, torch.ones(64, device=device), 1e-6, x2, torch.ones(16, device=device), 1e-6,
+                               backend="triton")
+    assert y1[1].isnan().all() and torch.isfinite(y1[[0, 2]]).all() and torch.isfinite(y2).all()
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(3, 5), torch.randn(5), 1e-6), "x2: expected 2 rows"),
+    ((torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(2, 5), torch.randn(4), 1e-6), "weight2: expected"),
+    ((torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(2, 5), torch.randn(5), -1.0), "eps2: expected"),
+    ((torch.randn(2, 4), torch.randn(3), 1e-6, torch.randn(2, 5), torch.randn(5), 1e-6), "weight1: expected"),
+    ((torch.randn(4), torch.randn(4), 1e-6, torch.randn(2, 5), torch.randn(5), 1e-6), "x1: expected"),
+    ((torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(2, 0), torch.randn(0), 1e-6), "x2: expected at least"),
+    ((torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(2, 5, dtype=torch.float64),
+      torch.randn(5, dtype=torch.float64), 1e-6), "x2: expected"),
+])
+def test_pair_bad_arguments_are_refused_by_name(args, match):
+    with pytest.raises(ValueError, match=match):
+        ops.rms_norm_pair(*args)

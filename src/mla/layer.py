@@ -319,10 +319,14 @@ class MLA(nn.Module):
         r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         gate_logits = None
         a = F.linear(hidden_states, self.w_a, self.b_a)
+        c_kv_a = a[:, self.q_dim: self.q_dim + r]
         if cfg.q_lora_rank is None:
             q = a[:, : self.q_dim]
+            c_kv = ops.rms_norm(c_kv_a, self.kv_a_norm, cfg.kv_norm_eps, backend=self.op_backend)
         else:
-            q_a = ops.rms_norm(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps, backend=self.op_backend)
+            # both latent norms in one launch
+            q_a, c_kv = ops.rms_norm_pair(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps, c_kv_a, self.kv_a_norm,
+                                          cfg.kv_norm_eps, backend=self.op_backend)
             if cfg.q_gate_fused:    # A.X-K2: the query, then the output gate's logits, per head
                 qg = self._linear(torch.cat((q_a, a[:, : self.q_dim]), -1), self.w_q_b, self.w_q_b_scale)
                 qg = qg.view(T, H, cfg.qk_head_dim + cfg.v_head_dim)
@@ -330,8 +334,6 @@ class MLA(nn.Module):
             else:
                 q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
         q = q.reshape(T, H, cfg.qk_head_dim)
-        c_kv = ops.rms_norm(a[:, self.q_dim: self.q_dim + r], self.kv_a_norm, cfg.kv_norm_eps,
-                            backend=self.op_backend)
         k_pe = a[:, self.q_dim + r:]
 
         cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))

@@ -29,14 +29,15 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       check_latent_query_cache,
                       dense, describe, offsets_ok)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+           "gather_latent",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rms_norm": "norm", "rope": "cache_append", "rope_append": "cache_append", "gather_latent": "gather",
+                   "rms_norm": "norm", "rms_norm_pair": "norm", "rope": "cache_append", "rope_append": "cache_append", "gather_latent": "gather",
                    "quantize_act_1x128": "fp8_gemm", "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
                    "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
                    "indexer_logits": "indexer", "topk_indices": "indexer"}
@@ -207,16 +208,36 @@ def rms_norm(x, weight, eps, *, backend=None):
     strides) float16/bfloat16/float32, weight [N] of x's dtype, eps >= 0 -> weight *
     (x / sqrt(mean(x^2) + eps)), the statistics in float32, the normalized row rounded to x's
     dtype before the product (rounded again). Returns [T, N] contiguous, x's dtype."""
-    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in FLOAT,
-          lambda: f"x: expected a float16, bfloat16 or float32 [T, N] tensor, got {describe(x)}")
-    check(x.shape[1] > 0, lambda: f"x: expected at least one column, got {describe(x)}")
-    check(isinstance(weight, torch.Tensor) and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
-          and weight.device == x.device,
-          lambda: f"weight: expected [{x.shape[1]}] {x.dtype} on {x.device}, got {describe(weight)}")
-    eps = as_float("eps", eps)
-    check(eps >= 0, lambda: f"eps: expected a finite real number >= 0, got {eps!r}")
+    eps = _norm_args("x", "weight", "eps", x, weight, eps)
     resolve_backend(backend, x.device)
     return _library.rms_norm(x, weight, eps, backend)
+
+
+def rms_norm_pair(x1, weight1, eps1, x2, weight2, eps2, *, backend=None):
+    """``rms_norm`` of two tensors with the same rows, in one launch on the "triton" backend: the
+    layer's query and KV latents at a decode step, where a launch is a few microseconds of a
+    small step. x1 [T, N1] and x2 [T, N2] on one device, each with its own weight and eps, as in
+    ``rms_norm``. Returns (rms_norm(x1, weight1, eps1), rms_norm(x2, weight2, eps2)), the same
+    values."""
+    eps1 = _norm_args("x1", "weight1", "eps1", x1, weight1, eps1)
+    eps2 = _norm_args("x2", "weight2", "eps2", x2, weight2, eps2)
+    check(x2.shape[0] == x1.shape[0] and x2.device == x1.device,
+          lambda: f"x2: expected {x1.shape[0]} rows on {x1.device} (x1's), got {describe(x2)}")
+    resolve_backend(backend, x1.device)
+    return _library.rms_norm_pair(x1, weight1, eps1, x2, weight2, eps2, backend)
+
+
+def _norm_args(x_name: str, w_name: str, eps_name: str, x, weight, eps) -> float:
+    """``rms_norm``'s checks of one input, weight and eps, named; returns eps as a float."""
+    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in FLOAT,
+          lambda: f"{x_name}: expected a float16, bfloat16 or float32 [T, N] tensor, got {describe(x)}")
+    check(x.shape[1] > 0, lambda: f"{x_name}: expected at least one column, got {describe(x)}")
+    check(isinstance(weight, torch.Tensor) and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+          and weight.device == x.device,
+          lambda: f"{w_name}: expected [{x.shape[1]}] {x.dtype} on {x.device}, got {describe(weight)}")
+    eps = as_float(eps_name, eps)
+    check(eps >= 0, lambda: f"{eps_name}: expected a finite real number >= 0, got {eps!r}")
+    return eps
 
 
 def rope(q_pe, k_pe, cos, sin, interleave, *, backend=None):

@@ -27,9 +27,9 @@ from . import reference
 from ._checks import (check, check_gather_values, check_index_values, check_interpretable, check_paged_values,
                       check_writable, host_offsets)
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rope", "rope_append", "gather_latent",
-           "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices", "sparse_mla_decode",
-           "sparse_prefill_attention", "OPS"]
+__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+           "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
+           "sparse_mla_decode", "sparse_prefill_attention", "OPS"]
 
 
 class _Op:
@@ -165,6 +165,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: Optional[str]) -> T
 @rms_norm.register_fake
 def _(x, weight, eps, backend):
     return x.new_empty(x.shape)
+
+
+@_op("mla::rms_norm_pair", mutates_args=())
+def rms_norm_pair(x1: Tensor, weight1: Tensor, eps1: float, x2: Tensor, weight2: Tensor, eps2: float,
+                  backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    args = (x1, weight1, eps1, x2, weight2, eps2)
+    return _fresh(*_pick("rms_norm_pair", backend, x1.device, args=args)(*args))
+
+
+@rms_norm_pair.register_fake
+def _(x1, weight1, eps1, x2, weight2, eps2, backend):
+    return x1.new_empty(x1.shape), x2.new_empty(x2.shape)
 
 
 # ---- the latent cache -----------------------------------------------------------------------

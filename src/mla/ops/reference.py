@@ -15,8 +15,8 @@ import torch
 from ..quant import cache_format, dequantize_index, dequantize_rows, quantize_rows
 from ..rope import apply_rope
 
-__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rope", "rope_append",
-           "gather_latent", "softmax_attend",
+__all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
+           "rope_append", "gather_latent", "softmax_attend",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 
@@ -146,6 +146,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm_pair(x1, weight1, eps1, x2, weight2, eps2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``rms_norm``s: (rms_norm(x1, weight1, eps1), rms_norm(x2, weight2, eps2))."""
+    return rms_norm(x1, weight1, eps1), rms_norm(x2, weight2, eps2)
 
 
 def rope(q_pe, k_pe, cos, sin, interleave):
