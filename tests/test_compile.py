@@ -72,14 +72,16 @@ def rms_norm_pair_args(g, backend):
     return (x1, w1, 1e-6, x2, w2, 1e-5), dict(backend=backend), (x1, w1, 1e-6, x2, w2, 1e-5, backend)
 
 
-def rope_append_args(g, backend, cache_dtype=torch.float32):
+def rope_append_args(g, backend, cache_dtype=torch.float32, q_out=False):
     T, H = 5, 3
     q_pe, k_pe, c_kv = torch.randn(T, H, DR, generator=g), torch.randn(T, DR, generator=g), torch.randn(T, R, generator=g)
     angle = torch.rand(T, DR // 2, generator=g) * 6
     kv = torch.zeros(4, 4, R + DR, dtype=cache_dtype)
     slots = torch.tensor([3, 9, -1, 0, 14])              # a negative slot is skipped
-    return ((q_pe, k_pe, c_kv, angle.cos(), angle.sin(), kv, slots, True), dict(kv_scale=0.5, backend=backend),
-            (q_pe, k_pe, c_kv, angle.cos(), angle.sin(), kv, slots, True, 0.5, backend))
+    out = torch.zeros(H, T, R + DR).transpose(0, 1)[..., R:] if q_out else None   # a decode query's RoPE columns
+    kwargs = dict(kv_scale=0.5, backend=backend, **({"q_out": out} if q_out else {}))
+    return ((q_pe, k_pe, c_kv, angle.cos(), angle.sin(), kv, slots, True), kwargs,
+            (q_pe, k_pe, c_kv, angle.cos(), angle.sin(), kv, slots, True, 0.5, backend, out))
 
 
 def rope_args(g, backend):
@@ -154,6 +156,7 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "rms_norm_pair": ("rms_norm_pair", rms_norm_pair_args),
     "rope": ("rope", rope_args), "rope_append": ("rope_append", rope_append_args),
     "rope_append_fp8": ("rope_append", lambda g, b: rope_append_args(g, b, torch.float8_e4m3fn)),
+    "rope_append_q_out": ("rope_append", lambda g, b: rope_append_args(g, b, q_out=True)),
     "gather_latent": ("gather_latent", gather_args), "quantize_act_1x128": ("quantize_act_1x128", quantize_args),
     "fp8_linear": ("fp8_linear", fp8_linear_args), "fp8_bmm": ("fp8_bmm", fp8_bmm_args),
     "indexer_logits": ("indexer_logits", indexer_args), "topk_indices": ("topk_indices", topk_args),
@@ -163,8 +166,8 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "sparse_prefill_attention_sink": ("sparse_prefill_attention", lambda g, b: sparse_prefill_args(g, b, sink=True)),
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
-TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append", "gather_latent",
-                  "quantize_act_1x128")
+TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+                  "rope_append_q_out", "gather_latent", "quantize_act_1x128")
 
 
 def test_every_public_op_is_registered():
@@ -224,10 +227,11 @@ def test_compiled_call_matches_eager(case, backend):
     args, kwargs, _ = build(torch.Generator().manual_seed(1), backend)
     fn = getattr(ops, op)
     eager_args, compiled_args = [_clone(a) for a in args], [_clone(a) for a in args]
-    want = fn(*eager_args, **kwargs)
-    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*compiled_args, **kwargs)
-    if want is None:   # rope, rope_append: what they wrote in place
-        want, got = eager_args, compiled_args
+    eager_kw, compiled_kw = ({k: _clone(v) for k, v in kwargs.items()} for _ in range(2))
+    want = fn(*eager_args, **eager_kw)
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*compiled_args, **compiled_kw)
+    if want is None:   # rope, rope_append: what they wrote in place (into q_out too)
+        want, got = eager_args + list(eager_kw.values()), compiled_args + list(compiled_kw.values())
     for w, c in zip(want, got):
         if isinstance(w, torch.Tensor):
             assert w.dtype == c.dtype and w.shape == c.shape

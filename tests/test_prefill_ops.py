@@ -243,6 +243,51 @@ def test_rope_append_cpu(dtype, interleave, heads):
     assert torch.equal(cache.view(-1, r + dr)[untouched], before.view(-1, r + dr)[untouched])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fmt", ["plain", "fp8", "fp8_tile"])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_rope_append_into_q_out(backend, fmt, heads):
+    """q_out: the rotated queries land there (the decode query buffer's RoPE columns, [H, T, d]
+    storage), bit for bit what the in-place call leaves in q_pe; q_pe is only read; the cache
+    rows and k_pe are those of the in-place call."""
+    T, dn, dr, r, nb, bs = 5, 8, 16, 256, 6, 4
+    q, kv_a, cos, sin = _rope_inputs(T, heads, dn, dr, r, torch.float32)
+    slots = torch.randperm(nb * bs)[:T]
+    slots[1] = -1
+    cache = torch.randn(nb, bs, r + dr) if fmt == "plain" else _fp8_cache(nb, bs, r, dr, fmt)
+    q_in, kv_in, cache_in, q0 = q.clone(), kv_a.clone(), cache.clone(), q.clone()
+    buf = torch.full((heads, T, r + dr), float("nan")).transpose(0, 1)      # [T, H, r + dr] view
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, slots, True, q_out=buf[..., r:],
+                backend=backend)
+    rope_append(q_in[..., dn:], kv_in[:, r:], kv_in[:, :r], cos, sin, cache_in, slots, True, backend=backend)
+    assert torch.equal(q, q0)                                                # only read
+    assert torch.equal(buf[..., r:], q_in[..., dn:]) and buf[..., :r].isnan().all()
+    assert torch.equal(kv_a, kv_in) and torch.equal(cache.view(torch.uint8), cache_in.view(torch.uint8))
+
+
+def test_rope_append_q_out_leaves_q_pe_and_refuses_overlap():
+    T, H, dn, dr, r = 4, 2, 8, 16, 24
+    q, kv_a, cos, sin = _rope_inputs(T, H, dn, dr, r, torch.float32)
+    q0 = q.clone()
+    out = torch.empty(T, H, dr)
+    cache = torch.zeros(2, 4, r + dr)
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, torch.arange(T), True, q_out=out,
+                backend="triton")
+    assert torch.equal(q, q0) and not torch.equal(out, q0[..., dn:])
+    cache0 = cache.clone()
+    for bad, match in ((q[..., dn - 4: dn + dr - 4], "q_out: expected q_pe itself or memory apart"),
+                       (torch.empty(T, H, dr, dtype=torch.float64), "q_out: expected"),
+                       (torch.empty(T, H + 1, dr), "q_out: expected"), ("q", "q_out: expected")):
+        with pytest.raises(ValueError, match=match):
+            rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, torch.arange(T), True, q_out=bad,
+                        backend="triton")
+    assert torch.equal(cache, cache0) and torch.equal(q, q0)      # a refused call wrote nothing
+    # q_out as q_pe itself: the in-place call
+    rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, torch.arange(T), True, q_out=q[..., dn:],
+                backend="triton")
+    assert torch.equal(q[..., dn:], out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("heads", [0, 1, 5])

@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .strategy import Group
 
-__all__ = ["attend", "absorb_query", "apply_uv", "bmm_into", "helix_combine"]
+__all__ = ["attend", "query_buffer", "absorb_query", "apply_uv", "bmm_into", "helix_combine"]
 
 
 def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -29,15 +29,26 @@ def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.bmm(a, b, out=out)
 
 
-def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-    """[T, H, dn], [T, H, dr] -> fused query [T, H, r + dr] (a view of [H, T, r + dr] storage)."""
-    T, H, _ = q_nope.shape
+def query_buffer(layer, T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Storage of the fused query of T tokens: [T, H, r + dr], a view of [H, T, r + dr] (each
+    head's rows one matrix, which the bmm over heads of ``absorb_query`` writes in place)."""
+    cfg = layer.cfg
+    return torch.empty(layer.num_local_heads, T, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype,
+                       device=device).transpose(0, 1)
+
+
+def absorb_query(layer, q_nope: torch.Tensor, q_pe: torch.Tensor | None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """[T, H, dn], [T, H, dr] -> fused query [T, H, r + dr] (``query_buffer``). ``out``: a
+    query_buffer whose RoPE columns hold the rotated q_pe already (``ops.rope_append`` wrote them
+    there, q_pe None): only the absorb is left."""
     r = layer.cfg.kv_lora_rank
-    q = torch.empty(H, T, r + q_pe.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    q = query_buffer(layer, q_nope.shape[0], q_nope.dtype, q_nope.device) if out is None else out
     # bmm over heads, [H, T, dn] @ [H, dn, r], written straight into the fused buffer (no copy)
-    bmm_into(q_nope.transpose(0, 1), layer.W_UK, q[..., :r])
-    q[..., r:] = q_pe.transpose(0, 1)
-    return q.transpose(0, 1)
+    bmm_into(q_nope.transpose(0, 1), layer.W_UK, q.transpose(0, 1)[..., :r])
+    if out is None:
+        q[..., r:] = q_pe
+    return q
 
 
 def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,18 +60,21 @@ def apply_uv(o_lat: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
-def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0):
+def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0, q_rope: torch.Tensor | None = None):
     """Absorbed attention for the group's sequences, all with group.s_q new tokens.
 
     Writes out[group.rows] for this rank's head slice (rows: a slice or an index tensor). Under Helix CP the attention over
-    this rank's share of the cache is a partial, combined with the other ranks' by LSE.
+    this rank's share of the cache is a partial, combined with the other ranks' by LSE. q_rope: a
+    ``query_buffer`` of the group's rows whose RoPE columns hold the rotated queries (then q's
+    are not read).
     """
     cfg, par = layer.cfg, layer.parallel
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     rows = group.rows
     qg = q[rows]
     B, s_q, H = len(group.seqs), group.s_q, layer.num_local_heads
-    q_full = absorb_query(layer, qg[..., :dn], qg[..., dn:]).view(B, s_q, H, -1)
+    q_full = absorb_query(layer, qg[..., :dn], None if q_rope is not None else qg[..., dn:], q_rope)
+    q_full = q_full.view(B, s_q, H, -1)
     if group.query_seqlens is None:
         o_lat, lse = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r, cfg.softmax_scale,
                                     causal=True, kv_scale=kv_scale, backend=layer.op_backend)

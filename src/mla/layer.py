@@ -338,8 +338,15 @@ class MLA(nn.Module):
 
         cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))
         kv_cache = batch.cache.layer(self.layer_idx)
+        temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
+        # a step whose every row is absorbed decode: the rotated RoPE columns of the queries go
+        # straight into the absorbed query's buffer (W_UK fills the rest), not into q and a copy
+        q_rope = None
+        if temperature is None and _absorbed_only(plan, T):
+            q_rope = absorbed.query_buffer(self, T, q.dtype, q.device)
         ops.rope_append(q[..., dn:], k_pe, c_kv, cos, sin, kv_cache, batch.slot_mapping, cfg.rope_interleave,
-                        kv_scale=batch.cache.kv_scale, backend=self.op_backend)
+                        kv_scale=batch.cache.kv_scale, backend=self.op_backend,
+                        q_out=None if q_rope is None else q_rope[..., r:])
         index_qkw = None
         if self.has_own_indexer:   # every token's indexer key is stored, whichever path serves it
             q_idx, k_idx, w_idx = sparse.index_query_key(self, hidden_states, q_a, cos, sin)
@@ -347,7 +354,6 @@ class MLA(nn.Module):
             sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
                                      batch.cache.index_format, backend=self.op_backend)
             index_qkw = (q_idx, w_idx)
-        temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
 
@@ -361,7 +367,7 @@ class MLA(nn.Module):
         if plan.chunked is not None:
             expanded.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
-            absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale)
+            absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale, q_rope)
         if plan.sparse:
             # Helix CP: a top-k merged over every rank's keys, partials combined by LSE (sparse_cp.py)
             attend = sparse.attend if batch.cache.cp_size == 1 else sparse_cp.attend
@@ -374,3 +380,11 @@ class MLA(nn.Module):
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks
         return out if self.b_o is None else out + self.b_o
+
+
+def _absorbed_only(plan, T: int) -> bool:
+    """Whether one absorbed group serves all T rows of the step in order (pure decode, one s_q),
+    so that nothing else reads the queries' RoPE columns."""
+    return (plan.prefill is None and not plan.cached and plan.chunked is None and not plan.sparse
+            and len(plan.absorbed) == 1 and isinstance(plan.absorbed[0].rows, slice)
+            and plan.absorbed[0].rows == slice(0, T))

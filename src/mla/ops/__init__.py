@@ -262,7 +262,8 @@ def rope(q_pe, k_pe, cos, sin, interleave, *, backend=None):
     _library.rope(q_pe, k_pe, dense(cos), dense(sin), interleave, backend)
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None):
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, *, kv_scale=1.0, backend=None,
+                q_out=None):
     """Fused RoPE + latent-cache append (in place).
 
     q_pe [T, H, dr] and k_pe [T, dr] are rotated in place by cos, sin [T, dr/2] float32
@@ -270,12 +271,14 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     (c_kv [T, r]) are written to kv_cache [num_blocks, block_size, r + dr] at the flat
     slots slot_mapping [T] int64 (negative slots are skipped), quantized where the cache is FP8
     (see mla_decode for the formats; NaN stays NaN there, see mla.quant). kv_scale: the FP8
-    rows' per-tensor scale, finite and > 0. Returns None.
+    rows' per-tensor scale, finite and > 0. q_out: [T, H, dr] of q_pe's dtype, where the rotated
+    q_pe goes instead (q_pe is then only read): the decode query's RoPE columns, written in
+    place of a copy (q_pe itself, or memory apart from it). Returns None.
 
-    Every tensor may have any strides; q_pe, k_pe and kv_cache are written through theirs (no
-    overlapping elements). Slots past the pool are refused on CPU tensors; on CUDA they are the
-    caller's (checking them would sync the stream), and the kernel skips them (never writes
-    out of bounds).
+    Every tensor may have any strides; q_pe (or q_out), k_pe and kv_cache are written through
+    theirs (no overlapping elements). Slots past the pool are refused on CPU tensors; on CUDA
+    they are the caller's (checking them would sync the stream), and the kernel skips them
+    (never writes out of bounds).
     """
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("cos", cos), ("sin", sin),
                     ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
@@ -302,13 +305,19 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
                     ("slot_mapping", slot_mapping)):
         check(t.device == kv_cache.device,
               lambda: f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}")
+    if q_out is not None:
+        check(isinstance(q_out, torch.Tensor) and q_out.shape == q_pe.shape and q_out.dtype == q_pe.dtype
+              and q_out.device == q_pe.device,
+              lambda: f"q_out: expected [{T}, {q_pe.shape[1]}, {dr}] {q_pe.dtype} on {q_pe.device} (q_pe's), "
+                      f"got {describe(q_out)}")
     check_flag("interleave", interleave)
     kv_scale = as_float("kv_scale", kv_scale, positive=True)
     resolve_backend(backend, kv_cache.device)
     cos, sin, slot_mapping = dense(cos), dense(sin), dense(slot_mapping)
-    # the slots' values (CPU), and that no written tensor overlaps itself, are checked in the op
-    # before it writes (under torch.compile the op may write other buffers than the traced ones)
-    _library.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend)
+    # the slots' values (CPU), and that no written tensor overlaps itself or q_out q_pe, are
+    # checked in the op before it writes (under torch.compile the op may write other buffers
+    # than the traced ones)
+    _library.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend, q_out)
 
 
 def gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens, *, backend=None):

@@ -60,6 +60,22 @@ def check_writable(name: str, t: torch.Tensor) -> None:
                   f"{t.stride()}")
 
 
+def check_apart(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """A tensor an op writes while it reads ``other``: the same view (in place), or memory apart
+    from it (the byte ranges the two span do not meet), where a program's write could land on
+    what another still reads."""
+    def span(x):
+        if x.numel() == 0:
+            return 0, 0
+        start = x.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    same = t.data_ptr() == other.data_ptr() and t.shape == other.shape and t.stride() == other.stride()
+    (a0, a1), (b0, b1) = span(t), span(other)
+    check(same or a1 <= b0 or b1 <= a0,
+          lambda: f"{name}: expected {other_name} itself or memory apart from it, got a view that overlaps it")
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """An index tensor (block table, lengths, offsets, slots, cos/sin) laid out as the kernels
     read it: row-major with unit stride. The kernels take only the row stride of a table, or

@@ -24,8 +24,8 @@ from torch.library import custom_op
 
 from .. import quant
 from . import reference
-from ._checks import (check, check_gather_values, check_index_values, check_interpretable, check_paged_values,
-                      check_writable, host_offsets)
+from ._checks import (check, check_apart, check_gather_values, check_index_values, check_interpretable,
+                      check_paged_values, check_writable, host_offsets)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
@@ -193,11 +193,15 @@ def _(q_pe, k_pe, cos, sin, interleave, backend):
     return None
 
 
-@_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache"))
+@_op("mla::rope_append", mutates_args=("q_pe", "k_pe", "kv_cache", "q_out"))
 def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
-                slot_mapping: Tensor, interleave: bool, kv_scale: float, backend: Optional[str]) -> None:
-    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+                slot_mapping: Tensor, interleave: bool, kv_scale: float, backend: Optional[str],
+                q_out: Optional[Tensor]) -> None:
+    for name, t in (("q_pe" if q_out is None else "q_out", q_pe if q_out is None else q_out), ("k_pe", k_pe),
+                    ("kv_cache", kv_cache)):
         check_writable(name, t)
+    if q_out is not None:
+        check_apart("q_out", q_out, "q_pe", q_pe)
     if slot_mapping.device.type == "cpu":   # on CUDA the slots are the caller's (no stream sync)
         slots = kv_cache.shape[0] * kv_cache.shape[1]
         bad = (slot_mapping >= slots).nonzero().flatten().tolist()
@@ -206,14 +210,12 @@ def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tens
                              f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
     fmt = quant.cache_format(kv_cache)
     impl = _pick("rope_append", backend, kv_cache.device, fmt, (q_pe, c_kv, kv_cache))
-    if fmt == "plain":
-        impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave)
-    else:
-        impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale)
+    impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 1.0 if fmt == "plain" else kv_scale,
+         q_out=q_out)
 
 
 @rope_append.register_fake
-def _(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend):
+def _(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend, q_out):
     return None
 
 

@@ -3,7 +3,7 @@
 
 For every token t (one program per token and block of heads):
 
-    q_pe[t, h]  <- rope(q_pe[t, h])            in place, every head h
+    q_out[t, h] <- rope(q_pe[t, h])            every head h (q_out: q_pe itself, or another tensor)
     k_pe[t]     <- rope(k_pe[t])               in place (first head block only)
     kv_cache[slot_mapping[t]] <- [c_kv[t] | k_pe[t]]   (r + dr values, cast to the cache dtype,
                                                         or quantized to an FP8 row, mla.quant)
@@ -73,8 +73,8 @@ def _store_tile_row(dst, c_ptr, stride_cd, R):
 
 @jit
 def _rope_append_kernel(
-    QPE, KPE, CKV, COS, SIN, KV, SLOTS,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kd, stride_ct, stride_cd,
+    QPE, QOUT, KPE, CKV, COS, SIN, KV, SLOTS,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_kt, stride_kd, stride_ct, stride_cd,
     stride_cos, stride_sin, stride_kvb, stride_kvr, stride_kvd,
     H, R, block_size, num_slots, kv_scale,
     HALF: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -90,9 +90,9 @@ def _rope_append_kernel(
         s = tl.load(SIN + t64 * stride_sin + i)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = (h < H)[:, None]
-        q_ptr = QPE + t64 * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
-        x = tl.load(q_ptr, mask=ok, other=0.0)
-        tl.store(q_ptr, _rotate(x, c, s, BLOCK_H, HALF, INTERLEAVE).to(QPE.dtype.element_ty), mask=ok)
+        x = tl.load(QPE + t64 * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd, mask=ok, other=0.0)
+        o_ptr = QOUT + t64 * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptr, _rotate(x, c, s, BLOCK_H, HALF, INTERLEAVE).to(QOUT.dtype.element_ty), mask=ok)
 
     if hb == 0:
         if ROPE:
@@ -119,11 +119,13 @@ def _rope_append_kernel(
                                  mask=r < R)
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
-    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] float32 and write
-    [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks, block_size, r + dr] at the
-    flat slots slot_mapping [T] int64, quantized for FP8 rows (float8_e4m3fn with kv_scale, or
-    uint8 tile rows). Returns None (see ``mla.ops.reference.rope_append``)."""
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0, q_out=None):
+    """Rotate q_pe [T, H, dr] (into q_out, default in place) and k_pe [T, dr] in place by cos/sin
+    [T, dr/2] float32 and write [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
+    block_size, r + dr] at the flat slots slot_mapping [T] int64, quantized for FP8 rows
+    (float8_e4m3fn with kv_scale, or uint8 tile rows). Returns None (see
+    ``mla.ops.reference.rope_append``)."""
+    q_out = q_pe if q_out is None else q_out
     T, H, dr = q_pe.shape
     r = c_kv.shape[-1]
     if T == 0:
@@ -139,10 +141,11 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     grid = (T, triton.cdiv(H, block_h) if H > 0 and rope else 1)
     # without RoPE the rotation's tensors are never read: c_kv stands in for them (an empty
     # tensor's pointer may be null, which a launcher may refuse)
-    rot = (q_pe, k_pe, cos, sin) if rope else (c_kv,) * 4
+    rot = (q_pe, q_out, k_pe, cos, sin) if rope else (c_kv,) * 5
     _rope_append_kernel[grid](
-        rot[0], rot[1], c_kv, rot[2], rot[3], kv_cache, slot_mapping,
-        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1),
+        rot[0], rot[1], rot[2], c_kv, rot[3], rot[4], kv_cache, slot_mapping,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_pe.stride(0), k_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         H, r, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], float(kv_scale),
@@ -162,8 +165,9 @@ def rope(q_pe, k_pe, cos, sin, interleave):
     block_h = min(32, triton.next_power_of_2(max(H, 1)))
     # no row is written: the cache's pointers and strides are q_pe's, never read
     _rope_append_kernel[(T, triton.cdiv(H, block_h) if H > 0 else 1)](
-        q_pe, k_pe, q_pe, cos, sin, q_pe, q_pe,
-        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1), 0, 0,
+        q_pe, q_pe, k_pe, q_pe, cos, sin, q_pe, q_pe,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        k_pe.stride(0), k_pe.stride(1), 0, 0,
         cos.stride(0), sin.stride(0), 0, 0, 0, H, 0, 1, 0, 1.0,
         HALF=dr // 2, ROPE=True, INTERLEAVE=bool(interleave), BLOCK_H=block_h, BLOCK_R=1, KV_FMT=0,
         APPEND=False, num_warps=4,

@@ -159,13 +159,14 @@ def rope(q_pe, k_pe, cos, sin, interleave):
     k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
 
 
-def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0):
-    """Rotate q_pe [T, H, dr] and k_pe [T, dr] in place by cos/sin [T, dr/2] (float32), and
-    write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r]) into kv_cache [num_blocks,
-    block_size, r + dr] at flat slots slot_mapping [T] int64 (slot = block * block_size + offset;
-    a negative slot is not written).
+def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale=1.0, q_out=None):
+    """Rotate q_pe [T, H, dr] (into q_out where given, else in place) and k_pe [T, dr] in place
+    by cos/sin [T, dr/2] (float32), and write the latent rows [c_kv | rope(k_pe)] (c_kv [T, r])
+    into kv_cache [num_blocks, block_size, r + dr] at flat slots slot_mapping [T] int64 (slot =
+    block * block_size + offset; a negative slot is not written).
     """
-    rope(q_pe, k_pe, cos, sin, interleave)
+    (q_pe if q_out is None else q_out).copy_(apply_rope(q_pe, cos, sin, interleave))
+    k_pe.copy_(apply_rope(k_pe, cos, sin, interleave))
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     keep = slot_mapping >= 0   # a negative slot: the token is stored elsewhere (another CP rank)
     rows = torch.cat((c_kv, k_pe), dim=-1)[keep]
