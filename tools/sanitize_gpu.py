@@ -191,10 +191,11 @@ def prefill(kernel, lq, lk, causal=True, H=16, dtype=torch.bfloat16):
 
 # ---- the memory-bound ops ------------------------------------------------------------------------
 
-def rope_append(fmt, H, interleave, dtype=torch.bfloat16, T=37, nan=False):
+def rope_append(fmt, H, interleave, dtype=torch.bfloat16, T=37, nan=False, q_out=False):
     """RoPE + append into a 4-block cache; every fifth slot -1 (skipped). q_pe, k_pe and c_kv are
     column slices of wider rows, as the layer passes them. nan: a NaN in one token's c_kv (its
-    FP8 tile's scale becomes NaN, mla.quant)."""
+    FP8 tile's scale becomes NaN, mla.quant). q_out: the rotated queries into the RoPE columns of
+    an absorbed query buffer [H, T, 576] (as the layer's decode step writes them), q_pe only read."""
     from mla import ops, quant
 
     g = gen(T * 131 + H)
@@ -209,8 +210,13 @@ def rope_append(fmt, H, interleave, dtype=torch.bfloat16, T=37, nan=False):
     cache = torch.zeros(4, PAGE, quant.row_width(fmt, DV, DR), dtype=quant.storage_dtype(fmt, dtype))
     kv_scale = KV_SCALE if fmt == "fp8" else 1.0
     q_g, kv_g, cache_g, cos_g, sin_g, slots_g = cuda(q, kv_a, cache, cos, sin, slots)
+    out = torch.full((H, T, D), float("nan"), dtype=dtype, device="cuda").transpose(0, 1) if q_out else None
     ops.rope_append(q_g[..., 128:], kv_g[:, DV:], kv_g[:, :DV], cos_g, sin_g, cache_g, slots_g, interleave,
-                    kv_scale=kv_scale)
+                    kv_scale=kv_scale, q_out=None if out is None else out[..., DV:])
+    if out is not None:
+        expect_bytes(q_g, q, "q_pe (only read)")
+        q_g = q_g.clone()
+        q_g[..., 128:] = out[..., DV:]
     reference("rope_append", q[..., 128:], kv_a[:, DV:], kv_a[:, :DV], cos, sin, cache, slots, interleave,
               kv_scale=kv_scale)
 
@@ -260,6 +266,21 @@ def rms_norm(dtype, T, N):
     w = torch.randn(N, generator=g).to(dtype)
     got = ops.rms_norm(*cuda(x, w), 1e-6)
     return f"out {expect_close(got, reference('rms_norm', x, w, 1e-6), tol(dtype), 'out'):.1e}"
+
+
+def rms_norm_pair(dtype, T, N1, N2):
+    """Two column slices of one buffer (the layer's query and KV latents), a NaN in one row of x1."""
+    from mla import ops
+
+    g = gen(T + N1 + 3 * N2)
+    a = torch.randn(T, N1 + N2 + 64, generator=g).to(dtype)
+    a[T // 2, 1] = float("nan")
+    x1, x2 = a[:, :N1], a[:, N1: N1 + N2]
+    w1, w2 = torch.randn(N1, generator=g).to(dtype), torch.randn(N2, generator=g).to(dtype)
+    a_g, w1_g, w2_g = cuda(a, w1, w2)
+    y1, y2 = ops.rms_norm_pair(a_g[:, :N1], w1_g, 1e-6, a_g[:, N1: N1 + N2], w2_g, 1e-5)
+    return (f"y1 {expect_close(y1, reference('rms_norm', x1, w1, 1e-6), tol(dtype), 'y1'):.1e}, "
+            f"y2 {expect_close(y2, reference('rms_norm', x2, w2, 1e-5), tol(dtype), 'y2'):.1e}")
 
 
 # ---- FP8 GEMMs -----------------------------------------------------------------------------------
@@ -461,11 +482,13 @@ CASES = {
     "rope_append/plain-fp32-h3-neox": P(rope_append, "plain", 3, False, fp32),
     "rope_append/fp8-bf16-h16-interleave": P(rope_append, "fp8", 16, True),
     "rope_append/fp8tile-bf16-h16-neox-nan": P(rope_append, "fp8_tile", 16, False, nan=True),
+    "rope_append/plain-bf16-h16-q_out": P(rope_append, "plain", 16, True, q_out=True),
     "gather/bf16": P(gather, "plain"),
     "gather/fp8": P(gather, "fp8"),
     "gather/fp8tile": P(gather, "fp8_tile"),
     "rms_norm/bf16-t5-n1536": P(rms_norm, bf16, 5, 1536),
     "rms_norm/fp32-t1-n33": P(rms_norm, fp32, 1, 33),
+    "rms_norm/pair-bf16-t5-n1536-n512": P(rms_norm_pair, bf16, 5, 1536, 512),
     "merge/bf16-h3": P(merge, bf16, (37, 3, 128)),
     "merge/fp32-h16-d512": P(merge, fp32, (9, 16, 512)),
     "quantize_act/bf16-k300-nan": P(quantize, bf16, 5, 300, nan=True),

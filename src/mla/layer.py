@@ -11,8 +11,9 @@ One step, for the T new tokens of a batch:
     [q_a | kv_a] = x @ [W_qa | W_kva]^T               one GEMM (q_proj instead of q_a if lite)
     q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
                    (A.X-K2: [q | gate] = q_gate_proj(cat(rmsnorm(q_a), q_a))   [T, H, dn + dr + dv])
-    c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]
-    rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append)
+    c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]             (both norms one launch: ops.rms_norm_pair)
+    rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append; at a pure decode step
+                                                             rope(q_pe) lands in the absorbed query)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
     or with a sparse indexer past cfg.sparse_max_keys keys: the indexer's top-k keys only
     (sparse.py; GLM-5.3-Flash: its top pools and its open pool, kpool.py; under Helix CP a top-k
