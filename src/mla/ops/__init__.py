@@ -30,14 +30,14 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       dense, describe, offsets_ok)
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
-           "gather_latent",
-           "quantize_act_1x128", "fp8_linear", "fp8_bmm",
+           "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton")
 # op -> the module (under mla.ops) of its "triton" backend
 _TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rms_norm": "norm", "rms_norm_pair": "norm", "rope": "cache_append", "rope_append": "cache_append", "gather_latent": "gather",
+                   "rms_norm": "norm", "rms_norm_pair": "norm", "rope": "cache_append", "rope_append": "cache_append",
+                   "gather_latent": "gather",
                    "quantize_act_1x128": "fp8_gemm", "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
                    "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
                    "indexer_logits": "indexer", "topk_indices": "indexer"}
@@ -314,9 +314,9 @@ def rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 
     kv_scale = as_float("kv_scale", kv_scale, positive=True)
     resolve_backend(backend, kv_cache.device)
     cos, sin, slot_mapping = dense(cos), dense(sin), dense(slot_mapping)
-    # the slots' values (CPU), and that no written tensor overlaps itself or q_out q_pe, are
-    # checked in the op before it writes (under torch.compile the op may write other buffers
-    # than the traced ones)
+    # the slots' values (CPU), that no written tensor overlaps itself and that q_out keeps apart
+    # from q_pe are checked in the op before it writes (under torch.compile the op may write
+    # other buffers than the traced ones)
     _library.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, backend, q_out)
 
 

@@ -13,8 +13,8 @@ A plain eager call runs the body without the dispatcher (``_Op``).
 
 Arguments are the op's tensors plus host values of the types a ``torch.library`` schema holds
 (int, float, bool, str, int[], ScalarType, each optionally None). Outputs are fresh contiguous
-tensors (the fake implementations promise it, so every backend returns it). ``rope_append`` is
-the one op that writes its inputs: it declares q_pe, k_pe and kv_cache in ``mutates_args``.
+tensors (the fake implementations promise it, so every backend returns it). ``rope_append`` and
+``rope`` write their inputs: they declare them in ``mutates_args`` (q_pe, k_pe, kv_cache, q_out).
 """
 from typing import List, Optional, Tuple
 
@@ -197,8 +197,8 @@ def _(q_pe, k_pe, cos, sin, interleave, backend):
 def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 slot_mapping: Tensor, interleave: bool, kv_scale: float, backend: Optional[str],
                 q_out: Optional[Tensor]) -> None:
-    for name, t in (("q_pe" if q_out is None else "q_out", q_pe if q_out is None else q_out), ("k_pe", k_pe),
-                    ("kv_cache", kv_cache)):
+    q_written = ("q_pe", q_pe) if q_out is None else ("q_out", q_out)
+    for name, t in (q_written, ("k_pe", k_pe), ("kv_cache", kv_cache)):
         check_writable(name, t)
     if q_out is not None:
         check_apart("q_out", q_out, "q_pe", q_pe)
