@@ -277,7 +277,8 @@ def test_rope_append_q_out_leaves_q_pe_and_refuses_overlap():
     cache0 = cache.clone()
     for bad, match in ((q[..., dn - 4: dn + dr - 4], "q_out: expected q_pe itself or memory apart"),
                        (torch.empty(T, H, dr, dtype=torch.float64), "q_out: expected"),
-                       (torch.empty(T, H + 1, dr), "q_out: expected"), ("q", "q_out: expected")):
+                       (torch.empty(T, H + 1, dr), "q_out: expected"), ("q", "q_out: expected"),
+                       (torch.empty(T, 1, dr).expand(T, H, dr), "q_out: expected a tensor without overlapping")):
         with pytest.raises(ValueError, match=match):
             rope_append(q[..., dn:], kv_a[:, r:], kv_a[:, :r], cos, sin, cache, torch.arange(T), True, q_out=bad,
                         backend="triton")
