@@ -244,3 +244,35 @@ def test_decode_batch_reads_and_writes_its_rows_in_place():
     scattered = torch.zeros_like(out)
     absorbed.attend(layer, q, group, cache.layer(0), scattered)
     assert out.abs().sum() > 0 and torch.equal(out, scattered)
+
+
+def test_pure_decode_steps_rotate_queries_into_the_absorbed_buffer(monkeypatch):
+    """rope_append's q_out: a step whose rows are all absorbed decode (one s_q) has the rotated
+    queries written into the absorbed query buffer; a prompt, a mixed step and a step of two
+    draft counts rotate them in place (other paths read q). Every step matches transformers."""
+    from mla import ops
+
+    cfg, layer, attn, rotary = _setup()
+    seen = []
+    real = ops.rope_append
+
+    def spy(*args, q_out=None, **kwargs):
+        seen.append(q_out is not None)
+        return real(*args, q_out=q_out, **kwargs)
+
+    monkeypatch.setattr(ops, "rope_append", spy)
+    g = torch.Generator().manual_seed(2)
+    cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
+    hist = {}
+    steps = [[("a", 20), ("b", 9)], [("a", 1), ("b", 1)], [("a", 3), ("b", 3)], [("a", 1), ("c", 5)],
+             [("a", 2), ("b", 1)]]
+    for step in steps:
+        batch = cache.prepare(step)
+        x = torch.cat([torch.randn(n, cfg.hidden_size, generator=g) for _, n in step])
+        out = layer(x, batch)
+        off = 0
+        for seq, n in step:
+            hist[seq] = torch.cat((hist.get(seq, x[:0]), x[off: off + n]))
+            assert rel_err(out[off: off + n], hf_reference(attn, rotary, hist[seq])[-n:]) <= FP32_TOL
+            off += n
+    assert seen == [False, True, True, False, False]
