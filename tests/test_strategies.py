@@ -49,16 +49,20 @@ def test_long_prefix_every_path_matches_transformers(strategy):
     layer(hist["a"], cache.prepare([("a", 150)]))
     cache.fork("a", "b")
     hist["b"] = hist["a"][:150].clone()
-    steps = [[("a", 40), ("b", 23)], [("b", 1), ("a", 3)]]
+    _steps_match_transformers(layer, cache, attn, rotary, [[("a", 40), ("b", 23)], [("b", 1), ("a", 3)]], g, hist)
+
+
+def _steps_match_transformers(layer, cache, attn, rotary, steps, g, hist):
+    """Each step (random new tokens for [(seq, n), ...]) through the layer, every sequence's rows
+    against transformers over its whole history (hist: seq -> its tokens so far, extended here)."""
     for step in steps:
         batch = cache.prepare(step)
-        x = torch.cat([torch.randn(n, cfg.hidden_size, generator=g) for _, n in step])
+        x = torch.cat([torch.randn(n, layer.cfg.hidden_size, generator=g) for _, n in step])
         out = layer(x, batch)
         off = 0
         for seq, n in step:
-            hist[seq] = torch.cat((hist[seq], x[off: off + n]))
-            ref = hf_reference(attn, rotary, hist[seq])[-n:]
-            assert rel_err(out[off: off + n], ref) <= FP32_TOL
+            hist[seq] = torch.cat((hist.get(seq, x[:0]), x[off: off + n]))
+            assert rel_err(out[off: off + n], hf_reference(attn, rotary, hist[seq])[-n:]) <= FP32_TOL
             off += n
 
 
@@ -263,16 +267,7 @@ def test_pure_decode_steps_rotate_queries_into_the_absorbed_buffer(monkeypatch):
     monkeypatch.setattr(ops, "rope_append", spy)
     g = torch.Generator().manual_seed(2)
     cache = mla.PagedLatentCache(cfg, num_blocks=64, block_size=8, dtype=torch.float32)
-    hist = {}
     steps = [[("a", 20), ("b", 9)], [("a", 1), ("b", 1)], [("a", 3), ("b", 3)], [("a", 1), ("c", 5)],
              [("a", 2), ("b", 1)]]
-    for step in steps:
-        batch = cache.prepare(step)
-        x = torch.cat([torch.randn(n, cfg.hidden_size, generator=g) for _, n in step])
-        out = layer(x, batch)
-        off = 0
-        for seq, n in step:
-            hist[seq] = torch.cat((hist.get(seq, x[:0]), x[off: off + n]))
-            assert rel_err(out[off: off + n], hf_reference(attn, rotary, hist[seq])[-n:]) <= FP32_TOL
-            off += n
+    _steps_match_transformers(layer, cache, attn, rotary, steps, g, {})
     assert seen == [False, True, True, False, False]
