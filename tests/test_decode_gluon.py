@@ -179,6 +179,16 @@ def test_fp8_rows(kv_fmt, kv_scale, H, s_q):
 
 
 @pytest.mark.parametrize("kv_fmt", ["fp8", "fp8_tile"])
+def test_fp8_producer_every_tile_count(kv_fmt):
+    """FP8 rows through the seesaw's producer (three K slots, two staging stages): programs of 1
+    to 8 tiles of 32 keys, full and partial last tiles, so that the slots and the stages wrap at
+    every offset and either warpgroup may own the last tile; one split and three."""
+    lens = [31, 32, 33, 64, 95, 96, 97, 160, 191, 224, 255]
+    check(lens, 1, 64, seed=21, kv_fmt=kv_fmt, num_splits=1)
+    check(lens, 2, 128, seed=22, kv_fmt=kv_fmt, num_splits=3)
+
+
+@pytest.mark.parametrize("kv_fmt", ["fp8", "fp8_tile"])
 def test_fp8_rows_splits_fp16_page128(kv_fmt):
     check([5, 130, 1000, 20000], 2, 16, seed=7, kv_fmt=kv_fmt, kv_scale=2.0, num_splits=40)
     check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, kv_fmt=kv_fmt, causal=False)

@@ -10,7 +10,8 @@ and ``fp8`` have in common.
   keys (sparse attention) ``gather_loader`` and the consumers' ``wait_gathered``, ``key_mask``,
   ``sink_start``;
 - key tiles in shared memory: ``zero_tail`` (rows past a sequence's end may hold NaN, and
-  0 * NaN in P V would leak), ``widen`` (FP8 staging tile -> the MMAs' 16-bit dtype);
+  0 * NaN in P V would leak), ``widen`` (FP8 staging tile -> the MMAs' 16-bit dtype) and
+  ``widen_by_parts`` (the same in a few registers, for a partition of its own);
 - the two warpgroups' merge at the end of a split: ``merge_buffers``, ``send_state``,
   ``merge_weights``, ``thread_major``;
 - programmatic dependent launch: ``pdl_launch``, ``wait_prerequisites``, ``launch_dependents``.
@@ -55,9 +56,9 @@ def zero_tail(k_buf, kpe_buf, n0, end):
 
 @gluon.jit
 def _widen_part(x, dst, keep, full, sc, g: gl.constexpr, KV_FMT: gl.constexpr):
-    """128 columns of FP8 values (registers) -> dst in its dtype, times their scales (tile
-    rows); rows not kept -> 0 unless the tile is full (a select per value costs more than the
-    conversion)."""
+    """Columns of FP8 values (registers; within one group g of 128) -> dst in its dtype, times
+    their scales (tile rows); rows not kept -> 0 unless the tile is full (a select per value
+    costs more than the conversion)."""
     if KV_FMT == 2:
         col = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))[None, :] == g, sc, 0.0),
                      axis=1)
@@ -108,6 +109,33 @@ def widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(free8.index(st), count=1)
+
+
+@gluon.jit
+def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
+    """``widen``'s arithmetic for a partition of few registers (the seesaw's producer): FP8
+    staging stage st -> k_buf / kpe_buf 128 columns a round, each round's two 64-column parts
+    read before either is written (a thread holds 32 FP8 values, not the tile's 144), rows >=
+    end zeroed. The compiler puts a barrier between a round's writes and the next round's reads
+    (it cannot tell a partition's shared buffers apart): the producer's own four warps, off the
+    MMAs' path; on the H200 rounds of 256 columns were no faster. The caller waited for the
+    stage and the buffer, and fences and signals after."""
+    BN: gl.constexpr = k_buf.shape[0]
+    WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # [32, 64]: 16 bytes of FP8 a thread
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
+    full = n0 + BN <= end
+    src = k8.index(st)
+    if KV_FMT == 2:
+        sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
+    else:
+        sc = 0.0
+    for g in gl.static_range(4):      # 128 columns (one scale of a tile row) a round: two loads in flight
+        x0 = src.slice(g * 128, 64, dim=1).load(WL)
+        x1 = src.slice(g * 128 + 64, 64, dim=1).load(WL)
+        _widen_part(x0, k_buf.slice(g * 128, 64, dim=1), keep, full, sc, g, KV_FMT)
+        _widen_part(x1, k_buf.slice(g * 128 + 64, 64, dim=1), keep, full, sc, g, KV_FMT)
+    ype = pe8.index(st).load(WL).to(kpe_buf.dtype)
+    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
 
 
 @gluon.jit

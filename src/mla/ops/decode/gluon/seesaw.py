@@ -20,7 +20,8 @@ FlashMLA describes; our own code), so each reads Q from shared memory once per t
 and one warpgroup's softmax overlaps the other's MMAs (two warpgroups splitting each tile's
 columns would read all of Q for half the work each and serialise GEMMs, softmax and loads).
 
-    partitions: WG0 (default, 4 warps), WG1 (4 warps), a loader (1 warp)
+    partitions: WG0 (default, 4 warps), WG1 (4 warps), a loader (1 warp; FP8 rows: the
+                producer, 4 warps, below)
     shared:     Q latent part [64, 512] (its RoPE part lives in registers), K ring of two
                 64-key tiles (or four of 32 keys; even tiles for WG0, odd for WG1), P0, P1,
                 row statistics (m, rescale, l) for the exchange
@@ -46,10 +47,13 @@ Masking: tail rows zeroed in shared memory by the tile's owner before
 its QK^T (NaN there would survive 0 * NaN in P V), causal limits per query row, applied only
 on tiles some row of the tile does not see in full.
 
-FP8 rows: the loader fills a ring of FP8 staging tiles (32 keys; one mbarrier per tile) and
-the owner of each tile widens it (``widen``: e4m3 -> fp16 exactly, kv_scale folded into the
-softmax scale and the output; tile rows: times each row's float32 scale per 128 values, into
-q's dtype) into its K buffer, zeroing tail rows; the rest is the same.
+FP8 rows: a fourth warpgroup, the producer (``_producer``), copies 32-key FP8 tiles by TMA into
+two staging stages and widens each (``widen_by_parts``: e4m3 -> fp16 exactly, kv_scale folded
+into the softmax scale and the output; tile rows: times each row's float32 scale per 128
+values, into q's dtype) into a ring of three K slots, zeroing tail rows; the two warpgroups
+only wait for a slot, and the rest is the same. Widening in the warpgroups themselves, before
+each QK^T, took 1.27-1.39x this time on the H200 at 128 heads (B 4-128, 4k-16k): it spilled,
+and it stood between every tile's release and the next QK^T.
 """
 from __future__ import annotations
 
@@ -69,9 +73,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (BLOCK_M, D_QK, D_V, LOG2E, TILE_LD_L, default_splits, descriptors, key_mask, launch_dependents,
-                     loader, pdl_launch, plan_and_block, sink_start, supports, wait_gathered, wait_prerequisites, widen,
-                     zero_tail)
+from .common import (BLOCK_M, D_QK, D_V, LOG2E, TILE_LD_L, copy_fp8_tile, default_splits, descriptors, key_mask,
+                     launch_dependents, loader, pdl_launch, plan_and_block, sink_start, supports, wait_gathered,
+                     wait_prerequisites, widen_by_parts, zero_tail)
 
 __all__ = ["launch", "default_block_n"]
 
@@ -265,9 +269,9 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
     for i in range((n_tiles + 1) // 2):
         ph = i & 1                                # p_ready / p_free phase
-        kph = (2 * i // NBUF) & 1                 # K ring phase of tiles 2i and 2i+1
+        kph = (2 * i // NBUF) & 1                 # K ring phase of tile 2i
         b0 = (2 * i) % NBUF
-        b1 = b0 + 1
+        b1 = (2 * i + 1) % NBUF                   # (a ring of three FP8 slots: not b0 + 1)
         n0 = start + 2 * i * BN
         has1 = 2 * i + 1 < n_tiles
         if sp is not None:
@@ -275,10 +279,8 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
             wait_gathered(ready, b0, kph)
         else:
             ok = None
-        if KV_FMT != 0:   # both warpgroups done with tile 2i - 2
-            mbarrier.wait(empty.index(2 * b0), kph ^ 1)
-            mbarrier.wait(empty.index(2 * b0 + 1), kph ^ 1)
-            widen(st8, ready, 2 * i, k_smem.index(b0), kpe_smem.index(b0), n0, end, KV_FMT)
+        if KV_FMT != 0:   # the producer widened tile 2i into slot b0
+            mbarrier.wait(ready.index(b0), kph)
         s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L,
                 KV_FMT != 0 or sp is not None)
         p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L, ok)
@@ -335,9 +337,9 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
     for i in range((n_tiles + 1) // 2):
         ph = i & 1
-        kph = (2 * i // NBUF) & 1
+        kph = ((2 * i + 1) // NBUF) & 1           # K ring phase of tile 2i + 1
         b0 = (2 * i) % NBUF
-        b1 = b0 + 1
+        b1 = (2 * i + 1) % NBUF
         n1 = start + (2 * i + 1) * BN
         has1 = 2 * i + 1 < n_tiles
         if sp is not None:
@@ -348,9 +350,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
             if sp is not None:
                 wait_gathered(ready, b1, kph)
             if KV_FMT != 0:
-                mbarrier.wait(empty.index(2 * b1), kph ^ 1)
-                mbarrier.wait(empty.index(2 * b1 + 1), kph ^ 1)
-                widen(st8, ready, 2 * i + 1, k_smem.index(b1), kpe_smem.index(b1), n1, end, KV_FMT)
+                mbarrier.wait(ready.index(b1), kph)
             s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L,
                     KV_FMT != 0 or sp is not None)
         else:
@@ -385,6 +385,43 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
     m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
     _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 256,
                v_scale, q_smem, o_desc, o_row0, False, TMA_OUT, S_L, ACC_L)
+
+
+@gluon.jit
+def _producer(st8, k_smem, kpe_smem, kready, empty, start, end, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
+              block_size, blk0, KV_FMT: gl.constexpr):
+    """FP8 rows: the fourth warpgroup loads and widens, so the two that compute only wait.
+    Tile j: TMA copies into staging stage j % NST (NST tiles ahead: the stages are this
+    partition's own, freed in program order), then, once both warpgroups released K slot
+    j % NBUF (``empty``: columns 0..255 by WG0's P V, 256..511 by WG1's), widened into it
+    (``widen_by_parts``), fenced for the MMAs' proxy, and signalled on kready[j % NBUF]. The
+    block of tile j + NST is loaded before the widening of tile j, so its latency passes under
+    it."""
+    k8, pe8, sc8, ready8 = st8
+    BN: gl.constexpr = k_smem.shape[1]
+    NBUF: gl.constexpr = k_smem.shape[0]
+    NST: gl.constexpr = k8.shape[0]
+    for j in range(0, gl.minimum(n_tiles, NST)):
+        n0 = start + j * BN
+        blk = gl.load(BT + bt_row + n0 // block_size, mask=j > 0, other=blk0)
+        copy_fp8_tile(k8, pe8, sc8, ready8, j, blk * block_size + n0 % block_size, kv_desc, pe_desc, sc_desc, KV_FMT)
+    for j in range(n_tiles):
+        st = j % NST
+        b = j % NBUF
+        kph = (j // NBUF) & 1
+        nn = start + (j + NST) * BN
+        refill = j + NST < n_tiles
+        blk = gl.load(BT + bt_row + nn // block_size, mask=refill, other=0)
+        mbarrier.wait(empty.index(2 * b), kph ^ 1)
+        mbarrier.wait(empty.index(2 * b + 1), kph ^ 1)
+        mbarrier.wait(ready8.index(st), (j // NST) & 1)
+        widen_by_parts(k8, pe8, sc8, st, k_smem.index(b), kpe_smem.index(b), start + j * BN, end, KV_FMT)
+        fence_async_shared()
+        gl.thread_barrier()           # every thread's part written (and the stage read)
+        mbarrier.arrive(kready.index(b), count=1)
+        if refill:
+            copy_fp8_tile(k8, pe8, sc8, ready8, st, blk * block_size + nn % block_size, kv_desc, pe_desc, sc_desc,
+                          KV_FMT)
 
 
 @gluon.jit
@@ -442,17 +479,23 @@ def _seesaw_kernel(
         NBUF: gl.constexpr = 128 // BN
         NLOAD: gl.constexpr = NBUF
     else:
-        NBUF: gl.constexpr = 2
-        NLOAD: gl.constexpr = 4 if KV_FMT == 1 else 3      # stages of FP8 rows (smem: 227 KB in all)
+        # FP8 rows: three K slots that the producer widens into, two FP8 staging stages (smem: 227 KB
+        # in all). On the H200 two slots and four stages took 1.3-1.6x the time: the producer could
+        # not widen a tile before both warpgroups were done with the one two back in its slot
+        NBUF: gl.constexpr = 3
+        NLOAD: gl.constexpr = 2
     (q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar,
      q_bar) = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM)
-    ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NLOAD * 9):
-        mbarrier.init(ready.index(i), count=1)
-    if KV_FMT == 0:
+    if KV_FMT == 0:   # the loader's, one a 64-column box
+        ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NLOAD * 9):
+            mbarrier.init(ready.index(i), count=1)
         st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
-        ring, ring_pe, ring_sc, free = st8              # the loader fills the K tiles themselves
-    else:   # the FP8 staging ring: latent, k_pe, scales (tile rows), and the loader's "stage free"
+    else:   # the producer's "K slot widened" (the warpgroups' ready), and the FP8 staging ring:
+        # latent, k_pe, scales (tile rows), one TMA barrier a stage
+        ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NBUF):
+            mbarrier.init(ready.index(i), count=1)
         k8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 512], kv_desc.layout)
         if KV_FMT == 1:
             pe8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 64], kv_desc.layout)
@@ -460,11 +503,10 @@ def _seesaw_kernel(
         else:
             pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NLOAD, BN, 64], pe_desc.layout)
             sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NLOAD, BN, 4], sc_desc.layout)
-        free8 = gl.allocate_shared_memory(gl.int64, [NLOAD, 1], mbarrier.MBarrierLayout())
+        ready8 = gl.allocate_shared_memory(gl.int64, [NLOAD, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NLOAD):
-            mbarrier.init(free8.index(i), count=1)
-        st8 = (k8, pe8, sc8, free8)
-        ring, ring_pe, ring_sc, free = st8
+            mbarrier.init(ready8.index(i), count=1)
+        st8 = (k8, pe8, sc8, ready8)
 
     # the barriers above read no memory: under a dependent launch they are set up while the
     # kernel before drains
@@ -483,12 +525,20 @@ def _seesaw_kernel(
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
             q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
             stride_li, qk_scale, v_scale, st8, o_desc, p * (H * S_Q) + ml)     # one split: p is b
-    gl.warp_specialize([
-        (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
-        (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
-        (loader, (ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                   block_size, blk0, KV_FMT, KV_FMT == 0)),
-    ], [4, 1], [240, 24])
+    if KV_FMT == 0:
+        gl.warp_specialize([
+            (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
+            (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
+            (loader, (k_smem, kpe_smem, stats[0], ready, empty, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
+                       block_size, blk0, KV_FMT, True)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
+            (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
+            (_producer, (st8, k_smem, kpe_smem, ready, empty, start, end, n_tiles, kv_desc, pe_desc, sc_desc, BT,
+                         bt_row, block_size, blk0, KV_FMT)),
+        ], [4, 4], [232, 40])     # 232 + 232 + 40 = 3 x 168: 40 keep the producer's widening out of spills
 
 
 def default_block_n(B: int, rows: int) -> int:
