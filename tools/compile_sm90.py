@@ -2,10 +2,13 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,narrow,sparse} [--block-b 32] [--partials bf16]
+    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,seesaw-fp8,seesaw-fp8tile,narrow,sparse}
+        [--block-b 32] [--partials bf16]
 
 Each kernel is compiled from the module as it is (no source edits), with the constexprs a
-launch at 16 heads (FP8, narrow) or 128 heads (seesaw), page 64, would give it.
+launch at 16 heads (FP8, narrow) or 128 heads (seesaw, its FP8 rows), page 64, would give it.
+The counts are the whole kernel's: a warp-specialized kernel's partitions follow one another
+in the SASS, each after its USETMAXREG.
 """
 from __future__ import annotations
 
@@ -108,6 +111,27 @@ def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
+def seesaw_fp8_kernel(m=None, tile: bool = False, block_b: int = BLOCK_B):
+    """the seesaw (or that of another module with the same kernel) on FP8 rows (tile: FP8 tile
+    rows), 32-key tiles, 128 heads, bf16 queries: fp16 MMAs for e4m3 rows (float32 partials
+    from registers, as launched), bf16 for tile rows."""
+    if m is None:
+        from mla.ops.decode.gluon import seesaw as m
+    f8 = f"tensordesc<fp8e4nv[32, 64],{gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv)!r}>"
+    pe = sc = f8
+    if tile:
+        pe = f"tensordesc<bf16[32, 64],{gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)!r}>"
+        sc = f"tensordesc<fp32[32, 4],{gl.NVMMASharedLayout.get_default_for([32, 4], gl.float32)!r}>"
+    gdt = gl.bfloat16 if tile else gl.float16
+    sig = _bf16_sig({"o_desc": f8}, "*fp32")
+    sig.update({"kv_desc": f8, "pe_desc": pe, "sc_desc": sc})
+    cx = {"CAUSAL": True, "KV_FMT": 2 if tile else 1, "dtype": gdt,
+          "SM_L": gl.NVMMASharedLayout.get_default_for([32, 64], gdt),
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, 32], gdt), "TMA_OUT": False, "BLOCK_B": block_b,
+          "num_warps": 4}
+    return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
+
+
 def narrow_kernel(m=None, block_b: int = BLOCK_B):
     """the narrow Gluon kernel (or that of another module with the same kernel, e.g. from
     variant) on bf16 rows, 16 query rows, a ring of two tiles."""
@@ -139,13 +163,15 @@ def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "narrow", "sparse"])
+    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "seesaw-fp8", "seesaw-fp8tile", "narrow", "sparse"])
     p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
     p.add_argument("--partials", default=PARTIALS, choices=["bf16", "fp32"], help="the partial outputs' dtype")
     a = p.parse_args()
     k = {"fp8": lambda: fp8_kernel(block_b=a.block_b, partials=a.partials),
          "fp8tile": lambda: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
          "seesaw": lambda: seesaw_kernel(block_b=a.block_b, partials=a.partials),
+         "seesaw-fp8": lambda: seesaw_fp8_kernel(block_b=a.block_b),
+         "seesaw-fp8tile": lambda: seesaw_fp8_kernel(tile=True, block_b=a.block_b),
          "narrow": lambda: narrow_kernel(block_b=a.block_b),
          "sparse": lambda: sparse_kernel(partials=a.partials)}[a.kernel]()
     usage, ops = sass_counts(k)

@@ -52,7 +52,7 @@ two staging stages and widens each (``widen_by_parts``: e4m3 -> fp16 exactly, kv
 into the softmax scale and the output; tile rows: times each row's float32 scale per 128
 values, into q's dtype) into a ring of three K slots, zeroing tail rows; the two warpgroups
 only wait for a slot, and the rest is the same. Widening in the warpgroups themselves, before
-each QK^T, took 1.27-1.39x this time on the H200 at 128 heads (B 4-128, 4k-16k): it spilled,
+each QK^T, took 1.25-1.39x this time on the H200 at 128 heads (B 4-128, 4k-16k): it spilled,
 and it stood between every tile's release and the next QK^T.
 """
 from __future__ import annotations
