@@ -250,7 +250,7 @@ def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
     masked by their index, the softmax started from the attention sink); None: paged keys."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
      o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, v_scale, st8, o_desc, o_row0) = a
+     qk_scale, v_scale, o_desc, o_row0) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
@@ -319,7 +319,7 @@ def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, s
     sp: as ``_wg0``'s."""
     (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
      o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, v_scale, st8, o_desc, o_row0) = a
+     qk_scale, v_scale, o_desc, o_row0) = a
     BN: gl.constexpr = k_smem.shape[1]
     NBUF: gl.constexpr = k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
@@ -490,7 +490,6 @@ def _seesaw_kernel(
         ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NLOAD * 9):
             mbarrier.init(ready.index(i), count=1)
-        st8 = (k_smem, kpe_smem, stats[0], empty)      # not used
     else:   # the producer's "K slot widened" (the warpgroups' ready), and the FP8 staging ring:
         # latent, k_pe, scales (tile rows), one TMA barrier a stage
         ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -524,7 +523,7 @@ def _seesaw_kernel(
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
             q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
-            stride_li, qk_scale, v_scale, st8, o_desc, p * (H * S_Q) + ml)     # one split: p is b
+            stride_li, qk_scale, v_scale, o_desc, p * (H * S_Q) + ml)     # one split: p is b
     if KV_FMT == 0:
         gl.warp_specialize([
             (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),

@@ -66,11 +66,10 @@ def _sparse_kernel(
     gl.thread_barrier()
 
     sp = (IDX + t64 * stride_in, num_slots, SINK, has_sink * (split == 0).to(gl.int32))
-    st8 = (k_smem, kpe_smem, stats[0], empty)      # not used: no FP8 staging
     args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
             t64 * stride_qn, split.to(gl.int64) * stride_os + t64 * stride_on,
             split.to(gl.int64) * stride_ls + t64 * stride_ln, ml, end, start, end, n_tiles, H, 1, 0, stride_qh, 0,
-            stride_oh, 0, qk_scale, 1.0, st8, o_desc, t * H + ml)
+            stride_oh, 0, qk_scale, 1.0, o_desc, t * H + ml)
     gl.warp_specialize([
         (_wg0, (args, False, 0, TMA_OUT, sp)),
         (_wg1, (args, False, 0, TMA_OUT, sp)),
