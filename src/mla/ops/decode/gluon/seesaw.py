@@ -599,6 +599,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
             # 3 warpgroups x 128 threads x 168 = the 64K register file: 240 each for WG0 and WG1, 24 for the loader
+            # (FP8 rows: 232, 232 and 40 for the producer)
             num_warps=4, maxnreg=168, **pdl_launch(rows, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: default_splits(B, rows, max_len, q.device))
