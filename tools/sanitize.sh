@@ -6,11 +6,15 @@
 #
 # TOOL: plain (the script alone: its own checks, and every kernel JIT-compiled into the Triton
 # cache so that each tool's run spends its time on the kernels, not in ptxas), memcheck,
-# racecheck, synccheck, initcheck. Default: all five in that order. Exit status: 0 when every
-# tool's run exited 0 (no sanitizer error, no case failed), else 1.
+# racecheck, synccheck, initcheck, poison (the script with --poison, no sanitizer: every
+# allocation torch leaves uninitialized starts as NaN, so a read of a byte no kernel wrote shows
+# in a case's result, where initcheck cannot see the write: TMA stores). Default: all six in
+# that order. Exit status: 0 when every tool's run exited 0 (no sanitizer error, no case
+# failed), else 1.
 #
 # Environment: LOG_DIR (default build/sanitize), PYTHON (python3), COMPUTE_SANITIZER (default:
-# on PATH, else beside nvcc, as CUDA 13 installs it), TRITON_CACHE_DIR (default
+# on PATH, else beside nvcc, as CUDA 13 installs it; docs/RELIABILITY.md says which version the
+# results are from and how to bring a newer one), TRITON_CACHE_DIR (default
 # build/sanitize/triton-cache: build/ stays on the GPU machine between calls).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +22,11 @@ cd "$(dirname "$0")/.."
 tools=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do tools+=("$1"); shift; done
 [ "${1-}" = "--" ] && shift
-[ ${#tools[@]} -gt 0 ] || tools=(plain memcheck racecheck synccheck initcheck)
+[ ${#tools[@]} -gt 0 ] || tools=(plain memcheck racecheck synccheck initcheck poison)
 for t in "${tools[@]}"; do
   case $t in
-    plain | memcheck | racecheck | synccheck | initcheck) ;;
-    *) echo "sanitize.sh: unknown tool $t (plain, memcheck, racecheck, synccheck, initcheck)" >&2; exit 2 ;;
+    plain | memcheck | racecheck | synccheck | initcheck | poison) ;;
+    *) echo "sanitize.sh: unknown tool $t (plain, memcheck, racecheck, synccheck, initcheck, poison)" >&2; exit 2 ;;
   esac
 done
 
@@ -49,13 +53,16 @@ run_tool() {
   local log="$LOG_DIR/$tool.log" envs=() flags=() args=("$@")
   case $tool in
     plain) ;;
+    poison) args+=(--poison) ;;   # no sanitizer: every uninitialized allocation NaN (the script's --poison)
     memcheck)
       # The caching allocator hands tensors out of large cudaMalloc'd segments, and memcheck
       # knows only cudaMalloc's bounds: a read past a tensor into its neighbour in the same
       # segment would pass unseen. Without caching every tensor is its own allocation, and
       # --padding puts a guard after each: an access up to 1 KiB past a tensor is reported.
       envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); flags=(--padding 1024) ;;
-    racecheck | synccheck) ;;   # shared memory and barriers: the allocator does not matter
+    racecheck) flags=(--print-limit 0) ;;   # shared memory: the allocator does not matter; every
+                                            # hazard's site (one line a pair of sites), not the first 100
+    synccheck) ;;   # barriers: the allocator does not matter
     initcheck)
       # Without caching a tensor's bytes count as written only once its own writer wrote
       # them, not because an earlier tensor held the same memory. Unused-memory tracking stays
@@ -67,9 +74,9 @@ run_tool() {
       envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); args+=(--no-peers) ;;
   esac
   local start=$SECONDS cmd=("$PYTHON" tools/sanitize_gpu.py ${args[@]+"${args[@]}"})
-  if [ "$tool" != plain ]; then
+  if [ "$tool" != plain ] && [ "$tool" != poison ]; then
     cmd=("$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes application-only --launch-timeout 300
-         ${flags[@]+"${flags[@]}"} "${cmd[@]}")
+         ${TENSOR_OPS[@]+"${TENSOR_OPS[@]}"} ${flags[@]+"${flags[@]}"} "${cmd[@]}")
   fi
   echo "\$ ${envs[*]+${envs[*]} }${cmd[*]}" > "$log"
   env ${envs[@]+"${envs[@]}"} "${cmd[@]}" >> "$log" 2>&1
@@ -78,7 +85,7 @@ run_tool() {
   found=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed -E 's/^=+ *//')
   cases=$(grep -E '^sanitize_gpu(\.py)?: ' "$log" | tail -n 1)     # its summary, or why it stopped
   grep -E '^(FAIL|skip) ' "$log" | sed "s/^/  $tool: /"
-  [ "$tool" = plain ] && found="no sanitizer"
+  { [ "$tool" = plain ] || [ "$tool" = poison ]; } && found="no sanitizer"
   printf '%-9s %s | %s | exit %s | %ss | %s\n' "$tool:" "${found:-no sanitizer summary (see the log)}" \
     "${cases:-the script did not finish (see the log)}" "$rc" "$((SECONDS - start))" "$log"
   return $((rc != 0))
@@ -86,9 +93,16 @@ run_tool() {
 
 SANITIZER=plain
 for t in "${tools[@]}"; do
-  if [ "$t" != plain ] && [ "$SANITIZER" = plain ]; then SANITIZER=$(find_sanitizer) || exit 2; fi
+  if [ "$t" != plain ] && [ "$t" != poison ] && [ "$SANITIZER" = plain ]; then SANITIZER=$(find_sanitizer) || exit 2; fi
 done
-[ "$SANITIZER" = plain ] || echo "compute-sanitizer: $SANITIZER ($("$SANITIZER" --version | grep -m1 -i version))"
+# TMA copies (cp.async.bulk.tensor) are tracked from compute-sanitizer 2026.4 on, when asked
+# (--check-tensor-ops, every tool): the Gluon kernels' tensor loads into shared memory and their
+# stores to global memory. Older versions have no such option and see neither.
+TENSOR_OPS=()
+if [ "$SANITIZER" != plain ]; then
+  echo "compute-sanitizer: $SANITIZER ($("$SANITIZER" --version | grep -m1 -i version))"
+  if "$SANITIZER" --help | grep -q -- '--check-tensor-ops'; then TENSOR_OPS=(--check-tensor-ops yes); fi
+fi
 status=0
 for t in "${tools[@]}"; do
   run_tool "$t" "$@" || status=1

@@ -540,6 +540,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", metavar="PATTERN", help="comma-separated globs or substrings of case names")
     p.add_argument("--no-peers", action="store_true", help="leave out the cases of cuDNN, cuBLAS and FlashInfer")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit (no GPU needed)")
+    p.add_argument("--poison", action="store_true",
+                   help="fill every tensor torch allocates uninitialized (torch.empty) with NaN, integers with "
+                        "their maximum, so that a read of a byte no kernel wrote shows in the case's result")
     args = p.parse_args(argv)
     names = select(args.only, args.no_peers)
     if not names:
@@ -553,6 +556,19 @@ def main(argv=None) -> int:
         print("sanitize_gpu.py: needs a CUDA GPU (torch.cuda.is_available() is False); --list runs anywhere",
               file=sys.stderr)
         return 2
+    if args.poison:
+        # initcheck's stand-in where it cannot see the writes (compute-sanitizer 2026.4 does not
+        # count TMA stores, which the Gluon kernels' partials and outputs are): every buffer the
+        # ops allocate starts as NaN (floats) or the largest value (integers), and each case's
+        # check against the reference would see a byte that no kernel wrote. warn_only: the
+        # ops that have no deterministic CUDA kernel still run (with a warning)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        if not (torch.empty(8, device="cuda").isnan().all()
+                and (torch.empty(8, device="cuda", dtype=torch.int32) == 2 ** 31 - 1).all()):
+            print("sanitize_gpu.py: --poison: torch.empty does not fill (this torch lacks "
+                  "fill_uninitialized_memory)", file=sys.stderr)
+            return 2
     torch.manual_seed(0)
     results = {n: run(n) for n in names}
     width = max(map(len, names))
