@@ -45,6 +45,9 @@ find_sanitizer() {
   echo "$(dirname "$(readlink -f "$nvcc")")/compute-sanitizer"
 }
 
+# plain and poison run the script alone; the others under compute-sanitizer.
+under_sanitizer() { [ "$1" != plain ] && [ "$1" != poison ]; }
+
 # One tool's run; prints its summary line. Every tool runs under --error-exitcode 1, follows
 # only python itself (not ptxas or the compilers Triton and FlashInfer start), and waits up to
 # 300 s for the process to reach CUDA (importing torch and mla takes a while).
@@ -74,7 +77,7 @@ run_tool() {
       envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); args+=(--no-peers) ;;
   esac
   local start=$SECONDS cmd=("$PYTHON" tools/sanitize_gpu.py ${args[@]+"${args[@]}"})
-  if [ "$tool" != plain ] && [ "$tool" != poison ]; then
+  if under_sanitizer "$tool"; then
     cmd=("$SANITIZER" --tool "$tool" --error-exitcode 1 --target-processes application-only --launch-timeout 300
          ${TENSOR_OPS[@]+"${TENSOR_OPS[@]}"} ${flags[@]+"${flags[@]}"} "${cmd[@]}")
   fi
@@ -85,7 +88,7 @@ run_tool() {
   found=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed -E 's/^=+ *//')
   cases=$(grep -E '^sanitize_gpu(\.py)?: ' "$log" | tail -n 1)     # its summary, or why it stopped
   grep -E '^(FAIL|skip) ' "$log" | sed "s/^/  $tool: /"
-  { [ "$tool" = plain ] || [ "$tool" = poison ]; } && found="no sanitizer"
+  under_sanitizer "$tool" || found="no sanitizer"
   printf '%-9s %s | %s | exit %s | %ss | %s\n' "$tool:" "${found:-no sanitizer summary (see the log)}" \
     "${cases:-the script did not finish (see the log)}" "$rc" "$((SECONDS - start))" "$log"
   return $((rc != 0))
@@ -93,7 +96,7 @@ run_tool() {
 
 SANITIZER=plain
 for t in "${tools[@]}"; do
-  if [ "$t" != plain ] && [ "$t" != poison ] && [ "$SANITIZER" = plain ]; then SANITIZER=$(find_sanitizer) || exit 2; fi
+  if under_sanitizer "$t" && [ "$SANITIZER" = plain ]; then SANITIZER=$(find_sanitizer) || exit 2; fi
 done
 # TMA copies (cp.async.bulk.tensor) are tracked from compute-sanitizer 2026.4 on, when asked
 # (--check-tensor-ops, every tool): the Gluon kernels' tensor loads into shared memory and their
