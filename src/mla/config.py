@@ -129,7 +129,7 @@ class MLAConfig:
     # with sinks needs a sparse indexer and every sequence takes the sparse path (up to
     # index_topk keys the top-k selects every key: the same attention as the dense paths).
     attention_sinks: bool = False
-    # The output gate applied per head to the attention output before o_proj (MLA.output_gate):
+    # The output gate applied per head to the attention output before o_proj (mla.projections):
     # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4); with
     # q_gate_fused the logits are q_gate_proj's gate half instead (A.X-K2)
     output_gate: str | None = None
@@ -259,6 +259,14 @@ class MLAConfig:
         while layer_idx in self.index_shared_layers:
             layer_idx -= 1
         return layer_idx
+
+    def check_layer_idx(self, layer_idx: int) -> None:
+        """ValueError naming ``layer_idx`` unless it is an MLA layer of this config."""
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
+            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if self.mla_layers is not None and layer_idx not in self.mla_layers:
+            raise ValueError(f"layer_idx: layer {layer_idx} of {self.name!r} is not an MLA layer (its MLA layers: "
+                             f"{list(self.mla_layers)})")
 
     # Derived sizes.
     @property
