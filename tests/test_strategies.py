@@ -1,5 +1,5 @@
-"""The plan's cost rule and every context/decode strategy against transformers
-(issue 3: chunked prefill under a workspace budget, absorbed context, the rule)."""
+"""The plan's cost rule and every context/decode strategy against transformers: chunked
+prefill under a workspace budget, absorbed context, the rule."""
 from __future__ import annotations
 
 import pytest
@@ -127,7 +127,7 @@ def test_chunked_prefill_peak_memory_gpu():
     assert peaks[4096] - peaks[512] <= (4096 - 512) * per_row * 1.5
 
 
-# ------------------------------------------------- issue 5: the expansion writes in place
+# ------------------------------------------------- the expansion writes in place
 
 
 class _Ops(TorchDispatchMode):
@@ -166,7 +166,7 @@ def test_expansion_writes_into_the_key_and_value_buffers():
     assert [_storage(t) for t in gemms] == [_storage(k), _storage(v)]
     copies = [args[0] for name, args, _, _ in ops.calls if name == "copy_"]
     assert len(copies) == 1 and copies[0].shape == (N, H, dr) and _storage(copies[0]) == _storage(k)
-    # the values: kv_b_proj as one GEMM, split per head (DESIGN.md section 1)
+    # the values: kv_b_proj as one GEMM, split per head (docs/design.md section 1)
     kv = F.linear(latent[:, :r], layer.w_kv_b).view(N, H, dn + dv)
     torch.testing.assert_close(k[..., :dn], kv[..., :dn])
     torch.testing.assert_close(v, kv[..., dn:])
