@@ -29,6 +29,24 @@ def test_rule_pins_every_path():
     assert choose_strategy(cfg, 131072, 4096, W) == "chunked"
 
 
+def test_rule_overrides():
+    """The layer's forced strategy, Helix CP and the sparse indexer are part of the pure rule."""
+    cfg, W = mla.MLAConfig.preset("deepseek-v3"), 1024
+    assert choose_strategy(cfg, 100, 1, W, force="cached") == "cached"
+    assert choose_strategy(cfg, W + 1, 1, W, force="cached") == "chunked"      # past the workspace
+    assert choose_strategy(cfg, 100, 500, W, force="absorbed") == "absorbed"
+    assert choose_strategy(cfg, 0, 5, W, force="absorbed") == "prefill"        # no prefix to absorb
+    assert choose_strategy(cfg, 100, 0, W, force="cached") is None
+    assert choose_strategy(cfg, 100, 500, W, cp_size=2) == "absorbed"          # no whole prefix on a rank
+    assert choose_strategy(cfg, 0, 500, W, cp_size=2) == "prefill"
+    sparse = cfg.replace(index_topk=64, index_n_heads=4, index_head_dim=128)
+    assert choose_strategy(sparse, 40, 24, W) == "absorbed"                    # 64 keys: all selected
+    assert choose_strategy(sparse, 40, 25, W) == "sparse"
+    assert choose_strategy(sparse, 0, 65, W) == "sparse"
+    assert choose_strategy(sparse, 0, 5, W, force="sparse") == "sparse"
+    assert choose_strategy(sparse.replace(attention_sinks=True), 0, 5, W) == "sparse"
+
+
 def _setup(variant="v3", workspace=16, seed=0, max_pos=256, strategy=None):
     hf_cfg = make_config(variant, max_position_embeddings=max_pos)
     attn, rotary = make_attention(hf_cfg, seed)
