@@ -86,16 +86,19 @@ def test_cos_sin_match_transformers(rope, positions):
     assert torch.equal(hf_cos[0, :, 4:], hf_cos[0, :, :4])
 
 
+@pytest.mark.parametrize("strategy,workspace", [(None, 65536), ("cached", 65536), ("cached", 8),
+                                                ("absorbed", 65536)])
 @torch.no_grad()
-def test_layer_matches_the_module_step_by_step():
+def test_layer_matches_the_module_step_by_step(strategy, workspace):
     """Prompt and decodes within the original length (short factors), a chunk that crosses it and
     decodes past it (long factors for the new rows, cached keys as written), against
-    MiniCPM3Attention in float64 fed the same steps with a DynamicCache."""
+    MiniCPM3Attention in float64 fed the same steps with a DynamicCache; over a cached prefix by
+    the rule, expanded (chunked past a workspace of 8) and absorbed."""
     hf_cfg = CASE.make_config()
     cfg = mla.MLAConfig.from_hf(hf_cfg)
     attn, rotary = F.make_attention(CASE, hf_cfg, seed=3)
     ref = attn.double()
-    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch")
+    layer = mla.MLA(cfg, dtype=torch.float32, backend="torch", strategy=strategy, max_workspace_tokens=workspace)
     layer.load_hf_state_dict(F.state_dict(attn, CASE.prefix), prefix=CASE.prefix)
     cache = mla.PagedLatentCache(cfg, num_blocks=16, block_size=4, dtype=torch.float32)
     kv = DynamicCache()
