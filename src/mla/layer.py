@@ -37,9 +37,9 @@ from . import absorbed, expanded, ops, sparse, sparse_cp
 from .batch import Batch
 from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
+from .plan import Plan
 from .projections import output_gate, query_projection
 from .rope import cos_sin, inv_freq, query_temperature
-from .plan import Plan
 from .strategy import build_plan, check_strategy
 from .weights import dequant_block_fp8, read_hf_weights, split_kv_b
 
