@@ -4,11 +4,12 @@ MLA layers, latent scales), each checked against a value computed here from the 
 numbers, not from mla.
 
 The dicts are config.json as published, cut to the keys the attention reads plus a few others a
-config.json carries (the others are ignored by design). Values come from the model cards; where
-a public repository holds a copy of a config.json its values were compared: Kimi-Linear-48B's
-linear_attn_config.full_attn_layers and dimensions, GLM-5's 78 layers and index_topk.
-MiniCPM3-4B's long/short factors are the model card's 16 values (its qk_rope_head_dim / 2); with
-original_max_position_embeddings = max_position_embeddings its attention_factor is 1.
+config.json carries (which from_hf ignores by design), typed from the model cards. Where a
+public repository holds a copy, its values agree: Kimi-Linear-48B's dimensions, 27 layers and
+linear_attn_config.full_attn_layers (a third-party test's copy of the released config), GLM-5's
+78 layers (a third-party check of the official config). MiniCPM3-4B's long and short factors
+are its model card's 16 values (qk_rope_head_dim / 2); with original_max_position_embeddings
+= max_position_embeddings its attention_factor is 1.
 """
 from __future__ import annotations
 
