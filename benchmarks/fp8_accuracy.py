@@ -7,8 +7,8 @@ decode steps; every step's output is compared with the same layer in float32 on 
 cache. Rows: a bf16 layer on a bf16 cache (the baseline), on the per-tensor FP8 cache and on
 the tile-scaled FP8 cache; and the FP8 checkpoint path (128x128 block-quantized weights). "FP8 MMAs" replaces the
 decode op by an emulation of what e4m3 tensor-core MMAs would compute over the per-tensor FP8
-cache (``fp8_mma_decode``): the route to more than the bf16 kernel's throughput (docs/PERF.md,
-issue 6), whose accuracy is what this row measures.
+cache (``fp8_mma_decode``): the route to more than the bf16 kernel's throughput (docs/PERF.md),
+whose accuracy is what this row measures.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The whole layer with FP8: an FP8 checkpoint (weights kept FP8 or dequantized) and the FP8
-latent caches, against the bf16 layer, on the GPU (issue 6).
+latent caches, against the bf16 layer, on the GPU.
 
     PYTHONPATH=src python3 benchmarks/fp8_layer.py [--heads 128] [--batch 1 32 128] [--ctx 4096]
 

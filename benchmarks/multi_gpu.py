@@ -1,4 +1,4 @@
-"""Tensor parallel and Helix context parallel on NCCL, one process per GPU (issue 8).
+"""Tensor parallel and Helix context parallel on NCCL, one process per GPU.
 
     PYTHONPATH=src python3 benchmarks/multi_gpu.py [--quick]
 

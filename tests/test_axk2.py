@@ -64,7 +64,7 @@ def test_strict_loading_of_q_gate_proj():
         plain.load_hf_state_dict(dict(sd, **{CASE.prefix + "q_b_proj.weight": torch.zeros(3 * 24, 24)}),
                                  prefix=CASE.prefix)
     layer.load_hf_state_dict(sd, prefix=CASE.prefix)
-    assert torch.equal(layer.w_q_b, attn.q_gate_proj.weight.detach()) and layer.w_gate is None
+    assert torch.equal(layer.w_q_b, attn.q_gate_proj.weight.detach()) and not hasattr(layer, "w_gate")
 
 
 def test_gate_matters():
@@ -79,10 +79,11 @@ def test_gate_matters():
     assert rel_err(2 * F.reference(CASE, no_gate, h.rotary, x), ref) > 1e-2
 
 
-def test_output_gate_hook_takes_the_fused_logits():
+def test_output_gate_takes_the_fused_logits():
     h = F.FamilyHarness("axk2", torch.float32, seed=4)
+    assert isinstance(h.layer.query, mla.projections.FusedQueryGate)
     x, attn, gate = torch.randn(5, 64), torch.randn(5, 3, 24), torch.randn(5, 3, 24)
-    assert torch.allclose(h.layer.output_gate(x, attn, gate), attn * torch.sigmoid(gate))
+    assert torch.allclose(h.layer.gate(h.layer, x, attn, gate), attn * torch.sigmoid(gate))
 
 
 def test_short_prompt_dense_then_sparse():

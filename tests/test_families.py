@@ -283,11 +283,19 @@ def _minicpm3_longrope():
 
 
 @pytest.mark.parametrize("source", ["object", "dict", "legacy"])
-def test_minicpm3_longrope_refused(source):
+def test_minicpm3_longrope_read(source):
+    """MiniCPM3's LongRoPE is read from every config layout (the layer against the module:
+    test_longrope.py); another family's LongRoPE is refused by name."""
     hf_cfg = _minicpm3_longrope()
+    cfg = mla.MLAConfig.from_hf(F.config_source(hf_cfg, source))
+    rp = hf_cfg.rope_parameters
+    assert cfg.rope_type == "longrope" and cfg.longrope.original_max_position_embeddings == 16
+    assert cfg.longrope.short_factor == tuple(rp["short_factor"])
+    assert cfg.longrope.long_factor == tuple(rp["long_factor"])
+    v3 = F.EXACT["deepseek_v3"].make_config(rope_parameters=dict(rp, factor=4.0))
     with pytest.raises(NotImplementedError, match="longrope") as e:
-        mla.MLAConfig.from_hf(F.config_source(hf_cfg, source))
-    assert "minicpm3" in str(e.value)
+        mla.MLAConfig.from_hf(F.config_source(v3, source))
+    assert "deepseek_v3" in str(e.value)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "linear"])

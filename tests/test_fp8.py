@@ -75,7 +75,7 @@ def test_fp8_kept_weights_run_as_fp8_gemms(backend):
     assert plain.w_o.dtype == torch.float32 and plain.w_o_scale is None
     emulated = mla.MLA(cfg, dtype=torch.float32, backend=backend, fp8_weights="never")
     emulated.load_hf_state_dict(sd, prefix=PREFIX)
-    emulated._linear = lambda x, w, scale: torch.nn.functional.linear(_act_qdq(x), w)
+    emulated.linear = lambda x, w, scale: torch.nn.functional.linear(_act_qdq(x), w)
     x = torch.randn(20, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     outs = []
     for layer in (fp8, emulated, plain):

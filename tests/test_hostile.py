@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 30): strided index tensors give the contiguous call's answer, bad
+"""Hostile inputs: strided index tensors give the contiguous call's answer, bad
 gather values and hand-built batches are refused, integer arguments are ints, the cache refuses
 a non-finite kv_scale and a pool the machine cannot hold, and NaN stays NaN in FP8 rows. Every
 case on both backends where both exist (the "triton" backend runs Triton's interpreter here)."""

@@ -117,26 +117,29 @@ def test_strict_loading_of_sinks_and_gate(missing):
     assert torch.equal(layer.sinks, attn.sinks.detach())
 
 
-def test_output_gate_hook():
-    """The identity without a gate; a subclass's gate is applied to attn [T, H_s, dv] before o_proj."""
+def test_output_gate_part():
+    """The layer's gate part, picked from the config: Hy4's sigmoid(gate_proj(x)) on attn
+    [T, H_s, dv], the identity without a gate; forward applies its gate before o_proj."""
     h = F.FamilyHarness("hy_v4", torch.float32, seed=4)
     x = torch.randn(5, 64)
     attn = torch.randn(5, 4, 16)
-    gated = h.layer.output_gate(x, attn)
+    assert isinstance(h.layer.gate, mla.projections.ProjectedGate)
+    gated = h.layer.gate(h.layer, x, attn, None)
     want = attn * torch.sigmoid((x @ h.layer.w_gate.T).view(5, 4, 16))
     assert torch.allclose(gated, want)
     plain = mla.MLA(mla.MLAConfig.preset("tiny"), dtype=torch.float32)
-    assert plain.output_gate(x, attn) is attn
+    assert type(plain.gate) is mla.projections.NoGate and plain.gate(plain, x, attn, None) is attn
 
-    class Halved(mla.MLA):
-        def output_gate(self, hidden_states, attn):
-            return super().output_gate(hidden_states, attn) * 0.5
+    class Halved(mla.projections.NoGate):
+        def __call__(self, layer, hidden_states, attn, gate_logits):
+            return attn * 0.5
 
     cfg = mla.MLAConfig.preset("tiny")
     sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
     outs = []
-    for cls in (mla.MLA, Halved):
-        layer = cls(cfg, dtype=torch.float32, backend="torch")
+    for gate in (None, Halved()):
+        layer = mla.MLA(cfg, dtype=torch.float32, backend="torch")
+        layer.gate = gate or layer.gate
         layer.load_hf_state_dict(sd)
         cache = mla.PagedLatentCache(cfg, num_blocks=8, block_size=4, dtype=torch.float32)
         outs.append(layer(torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(0)),

@@ -1,5 +1,5 @@
-"""The plan's cost rule and every context/decode strategy against transformers
-(issue 3: chunked prefill under a workspace budget, absorbed context, the rule)."""
+"""The plan's cost rule and every context/decode strategy against transformers: chunked
+prefill under a workspace budget, absorbed context, the rule."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +27,24 @@ def test_rule_pins_every_path():
     assert choose_strategy(cfg, W, 4096, W) == "cached"
     assert choose_strategy(cfg, W + 1, 4096, W) == "chunked"
     assert choose_strategy(cfg, 131072, 4096, W) == "chunked"
+
+
+def test_rule_overrides():
+    """The layer's forced strategy, Helix CP and the sparse indexer are part of the pure rule."""
+    cfg, W = mla.MLAConfig.preset("deepseek-v3"), 1024
+    assert choose_strategy(cfg, 100, 1, W, force="cached") == "cached"
+    assert choose_strategy(cfg, W + 1, 1, W, force="cached") == "chunked"      # past the workspace
+    assert choose_strategy(cfg, 100, 500, W, force="absorbed") == "absorbed"
+    assert choose_strategy(cfg, 0, 5, W, force="absorbed") == "prefill"        # no prefix to absorb
+    assert choose_strategy(cfg, 100, 0, W, force="cached") is None
+    assert choose_strategy(cfg, 100, 500, W, cp_size=2) == "absorbed"          # no whole prefix on a rank
+    assert choose_strategy(cfg, 0, 500, W, cp_size=2) == "prefill"
+    sparse = cfg.replace(index_topk=64, index_n_heads=4, index_head_dim=128)
+    assert choose_strategy(sparse, 40, 24, W) == "absorbed"                    # 64 keys: all selected
+    assert choose_strategy(sparse, 40, 25, W) == "sparse"
+    assert choose_strategy(sparse, 0, 65, W) == "sparse"
+    assert choose_strategy(sparse, 0, 5, W, force="sparse") == "sparse"
+    assert choose_strategy(sparse.replace(attention_sinks=True), 0, 5, W) == "sparse"
 
 
 def _setup(variant="v3", workspace=16, seed=0, max_pos=256, strategy=None):
@@ -127,7 +145,7 @@ def test_chunked_prefill_peak_memory_gpu():
     assert peaks[4096] - peaks[512] <= (4096 - 512) * per_row * 1.5
 
 
-# ------------------------------------------------- issue 5: the expansion writes in place
+# ------------------------------------------------- the expansion writes in place
 
 
 class _Ops(TorchDispatchMode):
@@ -166,7 +184,7 @@ def test_expansion_writes_into_the_key_and_value_buffers():
     assert [_storage(t) for t in gemms] == [_storage(k), _storage(v)]
     copies = [args[0] for name, args, _, _ in ops.calls if name == "copy_"]
     assert len(copies) == 1 and copies[0].shape == (N, H, dr) and _storage(copies[0]) == _storage(k)
-    # the values: kv_b_proj as one GEMM, split per head (DESIGN.md section 1)
+    # the values: kv_b_proj as one GEMM, split per head (docs/design.md section 1)
     kv = F.linear(latent[:, :r], layer.w_kv_b).view(N, H, dn + dv)
     torch.testing.assert_close(k[..., :dn], kv[..., :dn])
     torch.testing.assert_close(v, kv[..., dn:])

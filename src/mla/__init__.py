@@ -2,13 +2,13 @@
 from . import ops
 from .batch import Batch
 from .cache import CacheFullError, PagedLatentCache
-from .config import MLAConfig, RopeScaling
+from .config import LongRope, MLAConfig, RopeScaling
 from .graph import StepGraph
 from .layer import MLA
 from .parallel import Parallel
 
-__all__ = ["MLA", "MLAConfig", "RopeScaling", "PagedLatentCache", "CacheFullError", "Batch", "Parallel", "StepGraph",
-           "ops", "hf"]
+__all__ = ["MLA", "MLAConfig", "RopeScaling", "LongRope", "PagedLatentCache", "CacheFullError", "Batch", "Parallel",
+           "StepGraph", "ops", "hf"]
 
 
 def __getattr__(name):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .strategy import Group
+from .plan import Group
 
 __all__ = ["attend", "query_buffer", "absorb_query", "apply_uv", "bmm_into", "helix_combine"]
 

@@ -9,7 +9,7 @@ preallocated buffers, refilled before every replay from a batch ``prepare`` made
 fields describe the bucket, not a step: ``seq_ids`` are placeholders (None), ``num_new`` is
 s_q for every row (padding rows included) and ``num_cached`` is unknown (zeros; read
 ``cache_seqlens``). The strategy plan of a static batch is the pure decode plan
-(``strategy.decode_plan``), which reads none of them.
+(``plan.decode_plan``), which reads none of them.
 """
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ Notation (DeepSeek-V2 paper): hidden D, heads H, q_lora_rank rq (None for "lite"
 models), kv_lora_rank r, qk_nope_head_dim dn, qk_rope_head_dim dr, v_head_dim dv.
 
 ``from_hf`` reads every MLA family transformers ships (``families.py`` knows how). What a
-family's attention does beyond DeepSeek-V3's is either a field here (RoPE pairing and type, a
-query temperature, LongCat's latent scales, the layers that are MLA, the sparse indexer (DeepSeek's,
-or GLM-5.3-Flash's k-pool indexer), Hy4's attention sinks and output gate) or
-refused with ``NotImplementedError`` naming the feature and the ``model_type``.
+family's attention does beyond DeepSeek-V3's is either a field here (RoPE pairing and type: YaRN
+or MiniCPM3's LongRoPE; a query temperature, LongCat's latent scales, the layers that are MLA,
+the sparse indexer (DeepSeek's, or GLM-5.3-Flash's k-pool indexer), Hy4's attention sinks and
+output gate, A.X-K2's fused q and gate projection) or refused with ``NotImplementedError``
+naming the feature and the ``model_type``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 from . import families
 from .families import is_real
 
-__all__ = ["MLAConfig", "RopeScaling", "yarn_mscale"]
+__all__ = ["MLAConfig", "RopeScaling", "LongRope", "yarn_mscale"]
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -66,7 +67,41 @@ class RopeScaling:
         return yarn_mscale(self.factor)
 
 
-ROPE_TYPES = ("default", "yarn", "none")
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE parameters (MiniCPM3): the default RoPE frequencies divided per frequency by
+    ``short_factor`` or ``long_factor`` (dr / 2 values each), cos and sin times
+    ``attention_factor``. Which factors a step takes follows transformers' rule for one forward
+    call: the long ones once the step's largest position + 1 exceeds
+    original_max_position_embeddings (``rope.cos_sin``). Keys keep the rotation of the step that
+    wrote them, as in transformers' KV cache."""
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("short_factor", "long_factor"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not v or not all(is_real(x) and 0 < x < math.inf for x in v):
+                raise ValueError(f"longrope.{name}: expected a non-empty tuple of finite numbers > 0, got {v!r}"[:200])
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"longrope.long_factor: expected {len(self.short_factor)} values (as short_factor), "
+                             f"got {len(self.long_factor)}")
+        o = self.original_max_position_embeddings
+        if not isinstance(o, int) or isinstance(o, bool) or o <= 0:
+            raise ValueError(f"longrope.original_max_position_embeddings: expected a positive int, got {o!r}")
+        a = self.attention_factor
+        if not is_real(a) or not 0 <= a < math.inf:
+            raise ValueError(f"longrope.attention_factor: expected a finite number >= 0, got {a!r}")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor cos and sin are multiplied by."""
+        return float(self.attention_factor)
+
+
+ROPE_TYPES = ("default", "yarn", "longrope", "none")
 OUTPUT_GATES = (None, "sigmoid")
 
 
@@ -82,9 +117,10 @@ class MLAConfig:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    # "default", "yarn" (with rope_scaling) or "none" (NoPE: q_pe and k_pe stay unrotated, as in
-    # Kimi Linear); None derives "yarn" or "default" from rope_scaling
+    # "default", "yarn" (with rope_scaling), "longrope" (with longrope) or "none" (NoPE: q_pe and
+    # k_pe stay unrotated, as in Kimi Linear); None derives it from rope_scaling and longrope
     rope_type: str | None = None
+    longrope: LongRope | None = None    # MiniCPM3's LongRoPE factors
     rope_interleave: bool = True        # DeepSeek pairs (2i, 2i+1); False: neox pairs (i, i + dr/2)
     attention_bias: bool = False        # bias on q_a_proj (or q_proj), kv_a_proj_with_mqa and o_proj
     q_norm_eps: float = 1e-6            # transformers and DeepSeek use 1e-6 for both latent norms
@@ -129,7 +165,7 @@ class MLAConfig:
     # with sinks needs a sparse indexer and every sequence takes the sparse path (up to
     # index_topk keys the top-k selects every key: the same attention as the dense paths).
     attention_sinks: bool = False
-    # The output gate applied per head to the attention output before o_proj (MLA.output_gate):
+    # The output gate applied per head to the attention output before o_proj (mla.projections):
     # None, or "sigmoid": attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] (Hy4); with
     # q_gate_fused the logits are q_gate_proj's gate half instead (A.X-K2)
     output_gate: str | None = None
@@ -154,11 +190,19 @@ class MLAConfig:
             raise ValueError(f"qk_rope_head_dim: expected an even number, got {self.qk_rope_head_dim}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling: expected a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if self.longrope is not None and not isinstance(self.longrope, LongRope):
+            raise ValueError(f"longrope: expected a LongRope or None, got {type(self.longrope).__name__}")
         if self.rope_type is None:
-            object.__setattr__(self, "rope_type", "yarn" if self.rope_scaling is not None else "default")
-        if self.rope_type not in ROPE_TYPES or (self.rope_type == "yarn") != (self.rope_scaling is not None):
-            raise ValueError(f"rope_type: expected one of {ROPE_TYPES}, 'yarn' exactly when rope_scaling is set, "
-                             f"got {self.rope_type!r} with rope_scaling={self.rope_scaling}")
+            derived = "longrope" if self.longrope is not None else "default"
+            object.__setattr__(self, "rope_type", "yarn" if self.rope_scaling is not None else derived)
+        if self.rope_type not in ROPE_TYPES or (self.rope_type == "yarn") != (self.rope_scaling is not None) \
+                or (self.rope_type == "longrope") != (self.longrope is not None):
+            raise ValueError(f"rope_type: expected one of {ROPE_TYPES}, 'yarn' exactly when rope_scaling is set and "
+                             f"'longrope' exactly when longrope is, got {self.rope_type!r} with "
+                             f"rope_scaling={self.rope_scaling}, longrope={self.longrope}")
+        if self.longrope is not None and 2 * len(self.longrope.short_factor) != dr:
+            raise ValueError(f"longrope.short_factor: expected qk_rope_head_dim / 2 = {dr // 2} values (one a "
+                             f"frequency), got {len(self.longrope.short_factor)}")
         for f in ("rope_theta", "q_norm_eps", "kv_norm_eps", "q_lora_scale", "kv_lora_scale", "temperature_beta"):
             v = getattr(self, f)
             if not is_real(v) or not 0 < v < math.inf:
@@ -260,6 +304,14 @@ class MLAConfig:
             layer_idx -= 1
         return layer_idx
 
+    def check_layer_idx(self, layer_idx: int) -> None:
+        """ValueError naming ``layer_idx`` unless it is an MLA layer of this config."""
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
+            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if self.mla_layers is not None and layer_idx not in self.mla_layers:
+            raise ValueError(f"layer_idx: layer {layer_idx} of {self.name!r} is not an MLA layer (its MLA layers: "
+                             f"{list(self.mla_layers)})")
+
     # Derived sizes.
     @property
     def qk_head_dim(self) -> int:
@@ -290,8 +342,9 @@ class MLAConfig:
         implement (a sparse indexer outside DeepSeek-V3.2, GLM-5 and Hy4, an output gate or attention
         sinks outside Hy4, a RoPE type)."""
         fields = families.config_fields(hf_config)
-        scaling = fields.pop("rope_scaling")
-        return cls(rope_scaling=None if scaling is None else RopeScaling(**scaling), **fields)
+        scaling, longrope = fields.pop("rope_scaling"), fields.pop("longrope")
+        return cls(rope_scaling=None if scaling is None else RopeScaling(**scaling),
+                   longrope=None if longrope is None else LongRope(**longrope), **fields)
 
     @classmethod
     def preset(cls, name: str) -> "MLAConfig":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops, quant
-from .strategy import Group, Pass
+from .plan import Group, Pass
 
 __all__ = ["prefill", "cached", "chunked"]
 

@@ -33,6 +33,10 @@ def config_fields(hf_config: Any) -> dict:
     family = FAMILIES.get(model_type, {})
     for key, v in family.get("defaults", {}).items():   # what the family's config class supplies
         c.setdefault(key, v)
+    if family.get("v_head_dim_from_heads") and c.get("v_head_dim") is None:   # MiniCPM3's config class
+        H, D = c.get("num_attention_heads"), c.get("hidden_size")
+        if isinstance(H, int) and isinstance(D, int) and H > 0:
+            c["v_head_dim"] = D // H
     missing = [k for k in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                            "qk_rope_head_dim", "v_head_dim") if c.get(k) is None]
     if missing:
@@ -48,14 +52,17 @@ def config_fields(hf_config: Any) -> dict:
     max_pos = c.get("max_position_embeddings")
     if max_pos is None:
         max_pos = c.get("model_max_length")    # Kimi Linear's key
-    scaling = None
+    scaling = longrope = None
     if family.get("nope"):
         rope_type = "none"
     elif rope_type == "yarn":
         scaling = _yarn(rope, max_pos)
+    elif rope_type == "longrope" and family.get("longrope"):
+        longrope = _longrope(c, rope, max_pos, model_type)
     elif rope_type != "default":
         raise NotImplementedError(f"rope_parameters.rope_type: {rope_type!r} RoPE of model_type {model_type!r} "
-                                  "is not implemented (the library has 'default' and 'yarn')")
+                                  "is not implemented (the library has 'default' and 'yarn', and 'longrope' for "
+                                  "minicpm3)")
     temperature = _temperature(c, rope if family.get("temperature") else {})
     interleave = c.get("rope_interleave")
     if isinstance(interleave, str) or (interleave is not None and not isinstance(interleave, (bool, int))):
@@ -76,7 +83,8 @@ def config_fields(hf_config: Any) -> dict:
         kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
         max_position_embeddings=4096 if max_pos is None else max_pos, rope_theta=_number("rope_theta", theta),
-        rope_scaling=scaling, rope_type="none" if rope_type == "none" else None, rope_interleave=interleave,
+        rope_scaling=scaling, longrope=longrope, rope_type="none" if rope_type == "none" else None,
+        rope_interleave=interleave,
         attention_bias=_flag("attention_bias", c.get("attention_bias", False)),
         temperature_floor_scale=temperature[0], temperature_beta=temperature[1],
         mla_layers=mla_layers,
@@ -91,13 +99,15 @@ def config_fields(hf_config: Any) -> dict:
 # rope_interleave (default True). nope: no RoPE at all. latent_scales: LongCat's sqrt(D / rank).
 # temperature: the module applies rope_parameters' llama_4_scaling_beta (the others ignore it).
 # kimi_layers: Kimi Linear's layer list (layer_types, else linear_attn_config, else its default).
+# longrope: the module takes LongRoPE (MiniCPM3-4B ships it). v_head_dim_from_heads: a config.json
+# without v_head_dim has hidden_size // num_attention_heads (MiniCPM3's config class).
 # latent_norm_eps: both latent RMSNorms take rms_norm_eps (others: 1e-6). defaults: what the
 # family's transformers config class supplies for a key a config.json may leave out.
 FAMILIES: dict[str, dict] = {
     "deepseek_v3": {}, "kimi_k2": {}, "axk1": {}, "youtu": {}, "glm4_moe_lite": {},
     "mistral4": {"temperature": True},
     "deepseek_v2": {"interleave": True},
-    "minicpm3": {"interleave": False},
+    "minicpm3": {"interleave": False, "longrope": True, "v_head_dim_from_heads": True},
     "longcat_flash": {"interleave": True, "latent_scales": True},
     "kimi_linear": {"nope": True, "kimi_layers": True},
     # DeepSeek Sparse Attention: the main attention always interleaved; indexer: its RoPE pairing
@@ -154,9 +164,10 @@ def _refuse_unimplemented(c: dict, model_type: str, read: tuple[str, ...] = ()) 
             raise NotImplementedError(f"{key}: mla does not implement {feature} (model_type {model_type!r})")
     rope = _rope_parameters(c)
     for key in ("short_factor", "long_factor"):
-        if rope.get(key) is not None:
-            raise NotImplementedError(f"rope_parameters.{key}: longrope RoPE of model_type {model_type!r} "
-                                      "is not implemented")
+        if rope.get(key) is not None and (rope.get("rope_type") or rope.get("type")) != "longrope":
+            raise NotImplementedError(f"rope_parameters.{key}: LongRoPE factors with rope_type "
+                                      f"{rope.get('rope_type') or rope.get('type')!r} (model_type {model_type!r}) "
+                                      "are not implemented")
 
 
 def _rope_parameters(c: dict) -> dict:
@@ -198,6 +209,40 @@ def _yarn(rope: dict, max_pos) -> dict:
         beta_slow=_number("rope_scaling.beta_slow", rope.get("beta_slow") or 1),
         mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
         attention_factor=rope.get("attention_factor"), truncate=_flag("rope_scaling.truncate", rope.get("truncate", True)))
+
+
+def _longrope(c: dict, rope: dict, max_pos, model_type: str) -> dict:
+    """LongRope's fields as transformers reads them: original_max_position_embeddings from the
+    config's top level if there (transformers gives it priority), else from the RoPE parameters,
+    else max_position_embeddings; ``factor`` (else max_position_embeddings over that) only sets
+    the default attention_factor, sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)."""
+    for key in ("short_factor", "long_factor"):
+        v = rope.get(key)
+        if not isinstance(v, (list, tuple)) or not all(is_real(x) for x in v):
+            raise ValueError(f"rope_parameters.{key}: expected a list of numbers for longrope, got {v!r}"[:200])
+    if rope.get("mscale_all_dim") or rope.get("mscale"):
+        raise NotImplementedError(f"rope_parameters.mscale_all_dim: YaRN's mscale with longrope RoPE (model_type "
+                                  f"{model_type!r}) is not implemented")
+    original = c.get("original_max_position_embeddings")
+    if original is None:
+        original = rope.get("original_max_position_embeddings")
+    if original is None:
+        original = max_pos
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ValueError(f"rope_parameters.original_max_position_embeddings: expected a positive int for longrope, "
+                         f"got {original!r}")
+    factor = rope.get("factor")
+    if factor is None:
+        if max_pos is None:
+            raise ValueError("rope_parameters: expected a longrope factor, or max_position_embeddings to derive it")
+        factor = _number("max_position_embeddings", max_pos) / original
+    factor = _number("rope_parameters.factor", factor)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(short_factor=tuple(float(x) for x in rope["short_factor"]),
+                long_factor=tuple(float(x) for x in rope["long_factor"]),
+                original_max_position_embeddings=original, attention_factor=attention)
 
 
 def _temperature(c: dict, rope: dict) -> tuple[float | None, float]:

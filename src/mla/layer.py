@@ -9,18 +9,21 @@ Notation (DeepSeek-V2 paper; vLLM's MLA docstring uses the same):
 One step, for the T new tokens of a batch:
 
     [q_a | kv_a] = x @ [W_qa | W_kva]^T               one GEMM (q_proj instead of q_a if lite)
-    q            = q_b_proj(rmsnorm(q_a))   [T, H, dn + dr] -> q_nope, q_pe
-                   (A.X-K2: [q | gate] = q_gate_proj(cat(rmsnorm(q_a), q_a))   [T, H, dn + dr + dv])
+    q            = query(q_a)               [T, H, dn + dr] -> q_nope, q_pe: q_b_proj(rmsnorm(q_a)),
+                                                             or a family's (projections.py)
     c_kv, k_pe   = rmsnorm(kv_a[:r]), kv_a[r:]             (both norms one launch: ops.rms_norm_pair)
+    indexer      = a sparse config's index rows written, its top-k inputs kept (sparse.py)
     rope(q_pe), rope(k_pe); cache[slot] = [c_kv | k_pe]      (ops.rope_append; at a pure decode step
                                                              rope(q_pe) lands in the absorbed query)
     per sequence, by the strategy plan (strategy.py): expanded (expanded.py) or absorbed (absorbed.py),
     or with a sparse indexer past cfg.sparse_max_keys keys: the indexer's top-k keys only
     (sparse.py; GLM-5.3-Flash: its top pools and its open pool, kpool.py; under Helix CP a top-k
     merged from every rank's candidates, sparse_cp.py)
-    attn         = output_gate(x, attn [T, H, dv])       identity, or Hy4's attn * sigmoid(gate_proj(x)),
-                                                         or A.X-K2's attn * sigmoid(gate)
+    attn         = gate(x, attn [T, H, dv])                identity, or a family's (projections.py)
     out          = o_proj(attn [T, H * dv])
+
+What a family changes (the query projection, the output gate, the indexer) is picked once in
+``__init__``; ``forward`` is the same path for every family.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from . import absorbed, expanded, ops, sparse, sparse_cp
 from .batch import Batch
 from .config import MLAConfig
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
-from .strategy import STRATEGIES, Plan, build_plan
+from .plan import Plan
+from .projections import output_gate, query_projection
 from .rope import cos_sin, inv_freq, query_temperature
+from .strategy import build_plan, check_strategy
 from .weights import dequant_block_fp8, read_hf_weights, split_kv_b
 
 __all__ = ["MLA"]
@@ -62,31 +67,14 @@ class MLA(nn.Module):
                              "computes bfloat16 dot products wrongly; float32 and float16 layers can use it)")
         if not isinstance(max_workspace_tokens, int) or max_workspace_tokens <= 0:
             raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
-        if not isinstance(layer_idx, int) or layer_idx < 0:
-            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
-        if cfg.mla_layers is not None and layer_idx not in cfg.mla_layers:
-            raise ValueError(f"layer_idx: layer {layer_idx} of {cfg.name!r} is not an MLA layer (its MLA layers: "
-                             f"{list(cfg.mla_layers)})")
-        if strategy is not None and strategy not in STRATEGIES:
-            raise ValueError(f"strategy: expected one of {STRATEGIES} or None, got {strategy!r}")
-        if cfg.attention_sinks and strategy not in (None, "sparse"):
-            raise ValueError(f"strategy: {cfg.name!r} has attention sinks, which only the 'sparse' path serves; "
-                             f"expected None or 'sparse', got {strategy!r}")
-        if cfg.q_gate_fused and parallel is not None:
-            raise ValueError(f"parallel: {cfg.name!r} has a fused q_gate_proj (A.X-K2), whose TP/CP sharding mla "
-                             "does not implement; expected parallel=None")
-        if strategy == "sparse" and not cfg.has_indexer:
-            raise ValueError(f"strategy: 'sparse' needs a config with a sparse indexer (index_topk), {cfg.name!r} "
-                             "has none")
-        if cfg.index_kpool is not None and parallel is not None and parallel.cp_size > 1:
-            raise ValueError(f"parallel: cp_size {parallel.cp_size} with {cfg.name!r}'s k-pool indexer (index_kpool): "
-                             "Helix CP of the pooled selection is not implemented; expected cp_size 1")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
+        cfg.check_layer_idx(layer_idx)
+        check_strategy(cfg, strategy)
         if parallel is not None:
             if not isinstance(parallel, Parallel):
                 raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
-            parallel.check_heads(cfg.num_heads)
+            parallel.check_config(cfg)
         self.cfg, self.layer_idx, self.dtype, self.parallel = cfg, layer_idx, dtype, parallel
         self.op_backend = None if backend == "auto" else backend
         self.fp8_weights = fp8_weights
@@ -99,47 +87,33 @@ class MLA(nn.Module):
         self.num_local_heads = H = cfg.num_heads // tp
         self.num_slice_heads = H // cp
         self.slice_start = (parallel.cp_rank if parallel is not None else 0) * self.num_slice_heads
-        D, r, dv = cfg.hidden_size, cfg.kv_lora_rank, cfg.v_head_dim
-        self.q_dim = H * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+        # what the family changes around the attention, picked once (projections.py, sparse.py)
+        self.query = query_projection(cfg)
+        self.gate = output_gate(cfg)
+        self.indexer = sparse.indexer(cfg, layer_idx)
+        self.has_own_indexer = isinstance(self.indexer, sparse.OwnIndexer)
+        self.q_dim = self.query.q_rows(cfg, H)
 
-        def param(*shape):
+        def param(*shape, dtype=dtype):
             return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        # q_a_proj (or q_proj) and kv_a_proj_with_mqa fused: both read x, one GEMM
-        self.w_a = param(self.q_dim + cfg.kv_dim, D)
+        # the q rows (q_a_proj, or q_proj) and kv_a_proj_with_mqa fused: both read x, one GEMM
+        self.w_a = param(self.q_dim + cfg.kv_dim, cfg.hidden_size)
         self.b_a = param(self.q_dim + cfg.kv_dim) if cfg.attention_bias else None
-        if cfg.q_lora_rank is not None:
-            self.q_a_norm = param(cfg.q_lora_rank)
-            # A.X-K2's q_gate_proj in its place: per head the query, then dv gate logits
-            self.w_q_b = param(H * (cfg.qk_head_dim + dv), 2 * cfg.q_lora_rank) if cfg.q_gate_fused \
-                else param(H * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_norm = param(r)
-        self.w_kv_b = param(H * (cfg.qk_nope_head_dim + dv), r)
-        self.w_o = param(D, self.num_slice_heads * dv)
-        self.b_o = param(D) if cfg.attention_bias else None
-        # Hy4: a sink logit per TP head (float32, as the sparse ops take it) and the output gate's
-        # projection for this rank's head slice
-        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device), requires_grad=False) \
-            if cfg.attention_sinks else None
-        self.w_gate = param(self.num_slice_heads * dv, D) \
-            if cfg.output_gate is not None and not cfg.q_gate_fused else None
+        self.kv_a_norm = param(cfg.kv_lora_rank)
+        self.w_kv_b = param(H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.w_o = param(cfg.hidden_size, self.num_slice_heads * cfg.v_head_dim)
+        self.b_o = param(cfg.hidden_size) if cfg.attention_bias else None
+        parts = {**self.query.params(cfg, H), **self.gate.params(cfg, self.num_slice_heads),
+                 **self.indexer.params(cfg)}
+        for name, shape in parts.items():
+            setattr(self, name, param(*shape))
+        # Hy4's sink logit per TP head, float32 as the sparse ops take it
+        self.sinks = param(H, dtype=torch.float32) if cfg.attention_sinks else None
         # block scales of w_q_b / w_o where they are kept in FP8 (see load_hf_state_dict)
         self.register_buffer("w_q_b_scale", None, persistent=False)
         self.register_buffer("w_o_scale", None, persistent=False)
         self.register_buffer("inv_freq", inv_freq(cfg).to(device), persistent=False)
-        # the lightning indexer (sparse.py), replicated on every TP rank so that all select alike;
-        # GLM-5's shared layers have none (they reuse an earlier layer's top-k)
-        self.has_own_indexer = cfg.has_indexer and layer_idx not in cfg.index_shared_layers
-        if self.has_own_indexer:
-            n, d = cfg.index_n_heads, cfg.index_head_dim
-            self.w_idx_q = param(n * d, cfg.q_lora_rank)
-            self.w_idx_k = param(d, D)
-            self.idx_k_norm_w = param(d)
-            self.idx_k_norm_b = param(d)
-            self.w_idx_w = param(n, D)
-            if cfg.index_kpool is not None:    # GLM-5.3-Flash's pool gate and its position bias
-                self.w_idx_gate = param(d, D)
-                self.idx_ape = param(cfg.index_kpool, d)
         self.loaded = False
 
     # W_UK [H, dn, r] and W_UV [H, dv, r]: views of kv_b_proj, derived once by weights.split_kv_b
@@ -170,55 +144,40 @@ class MLA(nn.Module):
             raise ValueError(f"sd: expected a mapping of names to tensors, got {type(sd).__name__}")
         if not isinstance(prefix, str):
             raise ValueError(f"prefix: expected a str, got {type(prefix).__name__}")
-        lite = self.cfg.q_lora_rank is None
-        fused = self.cfg.q_gate_fused
-        fp8_names = ("o_proj.weight",) + (() if lite or fused else ("q_b_proj.weight",))
+        fp8_names = ("o_proj.weight",) + self.query.fp8_names
         keep = self.fp8_weights == "always" or (self.fp8_weights == "auto" and self.w_a.device.type == "cuda")
         w = read_hf_weights(self.cfg, sd, prefix, keep_fp8=fp8_names if keep else (), strict=bool(strict),
                             layer_idx=self.layer_idx)
-        kept = dict.fromkeys(fp8_names)      # name -> this rank's (e4m3 weight, scales), or None
+        kept = {}     # name -> this rank's (e4m3 weight, scales) of a weight that stays FP8
         for name in fp8_names:
             if isinstance(w[name], tuple):   # stored as e4m3 and asked for as such
                 kept[name] = shard_block_fp8(name, *w[name], self.cfg, self.parallel)
                 w[name] = dequant_block_fp8(*w[name]) if kept[name] is None else w[name][0]
         w = shard_hf_weights(w, self.cfg, self.parallel)
-        self.w_a.copy_(torch.cat((w["q_proj.weight" if lite else "q_a_proj.weight"],
-                                  w["kv_a_proj_with_mqa.weight"]), 0))
+        q_name = self.query.hf_name
+        self.w_a.copy_(torch.cat((w[q_name + ".weight"], w["kv_a_proj_with_mqa.weight"]), 0))
         if self.b_a is not None:
-            q_bias = torch.zeros(self.q_dim) if lite else w["q_a_proj.bias"]
-            self.b_a.copy_(torch.cat((q_bias.to(w["kv_a_proj_with_mqa.bias"]), w["kv_a_proj_with_mqa.bias"])))
-        if not lite:
-            self.q_a_norm.copy_(w["q_a_layernorm.weight"])
-            if fused:
-                self._set_weight("w_q_b", w["q_gate_proj.weight"], None)
-            else:
-                self._set_weight("w_q_b", w["q_b_proj.weight"], kept["q_b_proj.weight"])
+            kv_bias = w["kv_a_proj_with_mqa.bias"]
+            q_bias = w.get(q_name + ".bias", torch.zeros(self.q_dim))    # q_proj has none
+            self.b_a.copy_(torch.cat((q_bias.to(kv_bias), kv_bias)))
         self.kv_a_norm.copy_(w["kv_a_layernorm.weight"])
         self.w_kv_b.copy_(w["kv_b_proj.weight"])
-        self._set_weight("w_o", w["o_proj.weight"], kept["o_proj.weight"])
+        self.set_weight("w_o", w["o_proj.weight"], kept.get("o_proj.weight"))
         if self.b_o is not None:
             self.b_o.copy_(w["o_proj.bias"])
         if self.sinks is not None:
             self.sinks.copy_(w["sinks"])
-        if self.w_gate is not None:
-            self.w_gate.copy_(w["gate_proj.weight"])
-        if self.has_own_indexer:
-            names = (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
-                     ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
-                     ("w_idx_w", "indexer.weights_proj.weight"))
-            if self.cfg.index_kpool is not None:
-                names += (("w_idx_gate", "indexer.index_kpool_compress_gate"),
-                          ("idx_ape", "indexer.index_kpool_compress_ape"))
-            for attr, name in names:
-                getattr(self, attr).copy_(w[name])
+        self.query.load(self, w, kept)
+        self.gate.load(self, w)
+        self.indexer.load(self, w)
         self.loaded = True
 
-    def _set_weight(self, attr: str, full: torch.Tensor, fp8) -> None:
+    def set_weight(self, attr: str, full: torch.Tensor, fp8) -> None:
         """A projection's weight: the dequantized ``full`` in the layer's dtype, or ``fp8`` =
         (float8_e4m3fn weight, float32 block scales) as stored."""
         dev = self.w_a.device
         if fp8 is None:
-            if getattr(self, attr).dtype != self.dtype:   # was FP8 from an earlier load
+            if getattr(self, attr).dtype != self.dtype:   # FP8 from a load with fp8_weights kept
                 setattr(self, attr, nn.Parameter(torch.empty(full.shape, dtype=self.dtype, device=dev),
                                                  requires_grad=False))
             getattr(self, attr).copy_(full)
@@ -227,7 +186,8 @@ class MLA(nn.Module):
             setattr(self, attr, nn.Parameter(fp8[0].to(dev).contiguous(), requires_grad=False))
             setattr(self, attr + "_scale", fp8[1].to(dev, torch.float32).contiguous())
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T, or the block-scaled FP8 GEMM where ``weight`` is kept in FP8 (``scale``)."""
         if scale is None:
             return F.linear(x, weight)
         return ops.fp8_linear(x, weight, scale, backend=self.op_backend)
@@ -252,26 +212,6 @@ class MLA(nn.Module):
         # through an [N, H_s, dn + dv] temporary.
         absorbed.bmm_into(x, W_UK[heads].mT, k_nope.transpose(0, 1))
         absorbed.bmm_into(x, W_UV[heads].mT, v.transpose(0, 1))
-
-    def output_gate(self, hidden_states: torch.Tensor, attn: torch.Tensor,
-                    gate_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """The gate on the attention output, per head, before o_proj: hidden_states [T, D] and
-        attn [T, H_s, dv] (this rank's head slice, after the Helix exchange under CP: a per-head,
-        per-token factor commutes with the LSE combine) -> attn gated, same shape and dtype.
-        ``gate_logits`` [T, H_s, dv]: the logits where the q projection made them (A.X-K2's
-        q_gate_proj, ``cfg.q_gate_fused``), else None.
-
-        The identity unless the config has an ``output_gate``: "sigmoid" is Hy4's
-        attn * sigmoid(gate_proj(x)), gate_proj.weight [H * dv, D] loaded as ``w_gate``, or with
-        ``gate_logits`` A.X-K2's attn * sigmoid(gate_logits), in float32 as its module computes
-        it. A subclass may override it for another family's gate (TensorRT-LLM's
-        _apply_output_gate)."""
-        if self.cfg.output_gate is None:
-            return attn
-        if gate_logits is not None:
-            return (attn.float() * torch.sigmoid(gate_logits.float())).to(attn.dtype)
-        gate = F.linear(hidden_states, self.w_gate).view(attn.shape)
-        return attn * torch.sigmoid(gate)
 
     def plan(self, batch: Batch) -> Plan:
         """The step's strategy plan (strategy.py) for this layer's workspace and ``strategy``:
@@ -312,49 +252,24 @@ class MLA(nn.Module):
     def forward(self, hidden_states: torch.Tensor, batch: Batch) -> torch.Tensor:
         """hidden_states [T, D] (T = batch.num_tokens, rows in the batch's sequence order) -> [T, D]."""
         self._check(hidden_states, batch)
-        cfg, H, T = self.cfg, self.num_local_heads, batch.num_tokens
+        cfg, T, r, dn = self.cfg, batch.num_tokens, self.cfg.kv_lora_rank, self.cfg.qk_nope_head_dim
         plan = self.plan(batch)     # before any write: a plan the batch cannot have raises here
-        shared = None   # GLM-5's shared layers: the top-k an earlier layer selected (checked before any write)
-        if cfg.has_indexer and not self.has_own_indexer:
-            shared = sparse.shared_indices(self, batch, plan.sparse)
-        r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        gate_logits = None
-        a = F.linear(hidden_states, self.w_a, self.b_a)
-        c_kv_a = a[:, self.q_dim: self.q_dim + r]
-        if cfg.q_lora_rank is None:
-            q = a[:, : self.q_dim]
-            c_kv = ops.rms_norm(c_kv_a, self.kv_a_norm, cfg.kv_norm_eps, backend=self.op_backend)
-        else:
-            # both latent norms in one launch
-            q_a, c_kv = ops.rms_norm_pair(a[:, : self.q_dim], self.q_a_norm, cfg.q_norm_eps, c_kv_a, self.kv_a_norm,
-                                          cfg.kv_norm_eps, backend=self.op_backend)
-            if cfg.q_gate_fused:    # A.X-K2: the query, then the output gate's logits, per head
-                qg = self._linear(torch.cat((q_a, a[:, : self.q_dim]), -1), self.w_q_b, self.w_q_b_scale)
-                qg = qg.view(T, H, cfg.qk_head_dim + cfg.v_head_dim)
-                q, gate_logits = qg[..., : cfg.qk_head_dim].contiguous(), qg[..., cfg.qk_head_dim:]
-            else:
-                q = self._linear(q_a, self.w_q_b, self.w_q_b_scale)
-        q = q.reshape(T, H, cfg.qk_head_dim)
-        k_pe = a[:, self.q_dim + r:]
-
+        proj = self.query(self, F.linear(hidden_states, self.w_a, self.b_a))    # q, q_a, c_kv, k_pe, gate
+        q = proj.q
         cos, sin = batch.memo(("rope", cfg), lambda: cos_sin(cfg, batch.positions, self.inv_freq))
-        kv_cache = batch.cache.layer(self.layer_idx)
         temperature = batch.memo(("temperature", cfg), lambda: query_temperature(cfg, batch.positions))
+        # the sparse indexer, first to write (its index rows); a shared layer whose source layer has
+        # not run raises before any write
+        index_qkw, shared = self.indexer(self, hidden_states, proj.q_a, cos, sin, batch, plan)
+        kv_cache = batch.cache.layer(self.layer_idx)
         # a step whose every row is absorbed decode: the rotated RoPE columns of the queries go
         # straight into the absorbed query's buffer (W_UK fills the rest), not into q and a copy
         q_rope = None
         if temperature is None and _absorbed_only(plan, T):
             q_rope = absorbed.query_buffer(self, T, q.dtype, q.device)
-        ops.rope_append(q[..., dn:], k_pe, c_kv, cos, sin, kv_cache, batch.slot_mapping, cfg.rope_interleave,
-                        kv_scale=batch.cache.kv_scale, backend=self.op_backend,
+        ops.rope_append(q[..., dn:], proj.k_pe, proj.c_kv, cos, sin, kv_cache, batch.slot_mapping,
+                        cfg.rope_interleave, kv_scale=batch.cache.kv_scale, backend=self.op_backend,
                         q_out=None if q_rope is None else q_rope[..., r:])
-        index_qkw = None
-        if self.has_own_indexer:   # every token's indexer key is stored, whichever path serves it
-            q_idx, k_idx, w_idx = sparse.index_query_key(self, hidden_states, q_a, cos, sin)
-            # under Helix CP another rank's token has slot -1, which writes nothing
-            sparse.append_index_keys(k_idx, batch.cache.index_keys(self.layer_idx), batch.slot_mapping,
-                                     batch.cache.index_format, backend=self.op_backend)
-            index_qkw = (q_idx, w_idx)
         if temperature is not None:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
 
@@ -362,22 +277,19 @@ class MLA(nn.Module):
         attn = torch.empty(T, Hs, cfg.v_head_dim, dtype=self.dtype, device=hidden_states.device)
         q_slice = q[:, self.slice_start: self.slice_start + Hs]     # the context paths' heads
         if plan.prefill is not None:
-            expanded.prefill(self, q_slice, c_kv, k_pe, plan.prefill, attn)
+            expanded.prefill(self, q_slice, proj.c_kv, proj.k_pe, plan.prefill, attn)
         for p in plan.cached:
             expanded.cached(self, q_slice, p, kv_cache, batch.cache, attn)
         if plan.chunked is not None:
-            expanded.chunked(self, q_slice, c_kv, k_pe, plan.chunked, kv_cache, batch.cache, attn)
+            expanded.chunked(self, q_slice, proj.c_kv, proj.k_pe, plan.chunked, kv_cache, batch.cache, attn)
         for group in plan.absorbed:
             absorbed.attend(self, q, group, kv_cache, attn, batch.cache.kv_scale, q_rope)
         if plan.sparse:
             # Helix CP: a top-k merged over every rank's keys, partials combined by LSE (sparse_cp.py)
             attend = sparse.attend if batch.cache.cp_size == 1 else sparse_cp.attend
             attend(self, q, index_qkw, shared, plan, batch, kv_cache, attn)
-        if gate_logits is None:     # a subclass's two-argument hook keeps working
-            attn = self.output_gate(hidden_states, attn)
-        else:
-            attn = self.output_gate(hidden_states, attn, gate_logits[:, self.slice_start: self.slice_start + Hs])
-        out = self._linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
+        attn = self.gate(self, hidden_states, attn, proj.gate_logits)
+        out = self.linear(attn.reshape(T, Hs * cfg.v_head_dim), self.w_o, self.w_o_scale)
         if self.parallel is not None:
             self.parallel.all_reduce(out)    # o_proj is row-parallel over all tp * cp ranks
         return out if self.b_o is None else out + self.b_o

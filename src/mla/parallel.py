@@ -84,10 +84,20 @@ class Parallel:
     def cp_rank(self) -> int:
         return self.rank // self.tp_size
 
-    def check_heads(self, num_heads: int) -> None:
-        if num_heads % self.tp_size or (num_heads // self.tp_size) % self.cp_size:
-            raise ValueError(f"parallel: num_heads={num_heads} must split evenly over tp_size={self.tp_size} "
+    def check_config(self, cfg: MLAConfig) -> None:
+        """ValueError naming ``parallel`` where a layer of ``cfg`` cannot be split this way: heads
+        that do not split evenly over tp_size and then cp_size, and the features whose sharding
+        is not implemented (A.X-K2's fused q_gate_proj; Helix CP of the k-pool indexer)."""
+        H = cfg.num_heads
+        if H % self.tp_size or (H // self.tp_size) % self.cp_size:
+            raise ValueError(f"parallel: num_heads={H} must split evenly over tp_size={self.tp_size} "
                              f"and then cp_size={self.cp_size}")
+        if cfg.q_gate_fused:
+            raise ValueError(f"parallel: {cfg.name!r} has a fused q_gate_proj (A.X-K2), whose TP/CP sharding mla "
+                             "does not implement; expected parallel=None")
+        if cfg.index_kpool is not None and self.cp_size > 1:
+            raise ValueError(f"parallel: cp_size {self.cp_size} with {cfg.name!r}'s k-pool indexer (index_kpool): "
+                             "Helix CP of the pooled selection is not implemented; expected cp_size 1")
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Rotary position embedding for the decoupled RoPE part of MLA (q_pe, k_pe).
 
 Angles are computed in float32 from ``inv_freq`` for the positions of the step,
-exactly as transformers does (position * inv_freq, then cos/sin, times the YaRN
-cos/sin scale). Pairing is DeepSeek's interleaved (2i, 2i+1) or neox (i, i + dr/2);
+exactly as transformers does (position * inv_freq, then cos/sin, times the YaRN or
+LongRoPE cos/sin scale). Pairing is DeepSeek's interleaved (2i, 2i+1) or neox (i, i + dr/2);
 the rotated tensor keeps its input layout, so queries and keys always agree.
 """
 from __future__ import annotations
@@ -13,16 +13,21 @@ import torch
 
 from .config import MLAConfig
 
-__all__ = ["inv_freq", "cos_sin", "apply_rope", "query_temperature"]
+__all__ = ["inv_freq", "cos_sin", "longrope_freqs", "apply_rope", "query_temperature"]
 
 
 def inv_freq(cfg: MLAConfig) -> torch.Tensor:
     """[dr / 2] float32 inverse frequencies (default RoPE, or YaRN's per-frequency ramp); zeros
-    for NoPE, so that every angle is 0 and the rotation is the identity (cos 1, sin 0, exactly)."""
+    for NoPE, so that every angle is 0 and the rotation is the identity (cos 1, sin 0, exactly).
+    LongRoPE: [2, dr / 2], the short factors' frequencies, then the long ones' (``cos_sin``
+    picks one row per step)."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     if cfg.rope_type == "none":
         return torch.zeros(dim // 2, dtype=torch.float32)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if cfg.longrope is not None:
+        factors = torch.tensor((cfg.longrope.short_factor, cfg.longrope.long_factor), dtype=torch.float32)
+        return 1.0 / (factors * pos_freqs)
     s = cfg.rope_scaling
     if s is None:
         return 1.0 / pos_freqs
@@ -42,12 +47,30 @@ def inv_freq(cfg: MLAConfig) -> torch.Tensor:
 
 
 def cos_sin(cfg: MLAConfig, positions: torch.Tensor, freqs: torch.Tensor | None = None):
-    """cos, sin [T, dr / 2] float32 for integer positions [T], with YaRN's cos/sin scale."""
+    """cos, sin [T, dr / 2] float32 for the integer positions [T] of one step, times YaRN's or
+    LongRoPE's cos/sin scale."""
     if freqs is None:
         freqs = inv_freq(cfg)
-    angles = positions.to(torch.float32)[:, None] * freqs.to(positions.device)[None, :]
-    scale = cfg.rope_scaling.cos_sin_scale if cfg.rope_scaling is not None else 1.0
+    freqs = freqs.to(positions.device)
+    scale = 1.0
+    if cfg.longrope is not None:
+        freqs, scale = longrope_freqs(cfg, positions, freqs), cfg.longrope.cos_sin_scale
+    elif cfg.rope_scaling is not None:
+        scale = cfg.rope_scaling.cos_sin_scale
+    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
     return angles.cos() * scale, angles.sin() * scale
+
+
+def longrope_freqs(cfg: MLAConfig, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The LongRoPE frequencies [dr / 2] of one step from ``inv_freq``'s [2, dr / 2]: the long
+    factors' once the step's largest position + 1 exceeds original_max_position_embeddings,
+    else the short ones', as transformers decides for one forward call (from its position_ids'
+    maximum; keys already cached keep the rotation they were written with). Chosen on the
+    device, so a step stays free of host syncs (a CUDA graph replays the choice)."""
+    if positions.numel() == 0:
+        return freqs[0]
+    long = positions.max() + 1 > cfg.longrope.original_max_position_embeddings
+    return torch.where(long, freqs[1], freqs[0])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ Notation as in layer.py, plus n = index_n_heads, d = index_head_dim, k = index_t
     cache.index_keys[slot] = k_idx                       beside the latent row of the token (or,
                                                          with FP8 index keys, quant(H k_idx), and the
                                                          logits take quant(H q_idx): DeepSeek's form)
-    per chunk of queries (strategy.sparse_chunks):
+    per chunk of queries (plan.sparse_chunks):
         logits  = sum_h w_h relu(q_idx_h . k_idx * d^-0.5)  over the keys each query sees
         indices = top-k of logits, as flat cache slots (-1 past the visible keys)
         o_lat   = attn([q_lat | q_pe], cache rows at indices)   absorbed, as absorbed.py
@@ -29,10 +29,69 @@ from . import kpool, ops
 from .absorbed import absorb_query, apply_uv
 from .batch import Batch
 from . import quant
-from .strategy import Plan, SparseChunk
+from .plan import Plan, SparseChunk
 
-__all__ = ["index_query_key", "append_index_keys", "index_query", "selection_key", "shared_indices", "select_pools",
-           "attend"]
+__all__ = ["NoIndexer", "OwnIndexer", "SharedIndexer", "indexer", "index_query_key", "append_index_keys",
+           "index_query", "selection_key", "shared_indices", "select_pools", "attend"]
+
+
+class NoIndexer:
+    """The indexer part of a layer (picked once by ``indexer``), called before the layer writes
+    anything: dense MLA has none. Its call gives (index_qkw, shared) for ``attend``."""
+
+    def params(self, cfg) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def load(self, layer, w) -> None:
+        pass
+
+    def __call__(self, layer, x, q_a, cos, sin, batch: Batch, plan: Plan):
+        return None, None
+
+
+class OwnIndexer(NoIndexer):
+    """The lightning indexer, replicated on every TP rank so that all select alike. Every
+    token's index row is stored, whichever path serves it (under Helix CP another rank's token
+    has slot -1, which writes nothing); its (q_idx, w) go to ``attend``."""
+    NAMES = (("w_idx_q", "indexer.wq_b.weight"), ("w_idx_k", "indexer.wk.weight"),
+             ("idx_k_norm_w", "indexer.k_norm.weight"), ("idx_k_norm_b", "indexer.k_norm.bias"),
+             ("w_idx_w", "indexer.weights_proj.weight"))
+    KPOOL_NAMES = (("w_idx_gate", "indexer.index_kpool_compress_gate"),      # GLM-5.3-Flash's pool gate
+                   ("idx_ape", "indexer.index_kpool_compress_ape"))          # and its position bias
+
+    def params(self, cfg) -> dict[str, tuple[int, ...]]:
+        n, d, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+        shapes = {"w_idx_q": (n * d, cfg.q_lora_rank), "w_idx_k": (d, D), "idx_k_norm_w": (d,),
+                  "idx_k_norm_b": (d,), "w_idx_w": (n, D)}
+        if cfg.index_kpool is not None:
+            shapes.update(w_idx_gate=(d, D), idx_ape=(cfg.index_kpool, d))
+        return shapes
+
+    def load(self, layer, w) -> None:
+        names = self.NAMES + (self.KPOOL_NAMES if layer.cfg.index_kpool is not None else ())
+        for attr, name in names:
+            getattr(layer, attr).copy_(w[name])
+
+    def __call__(self, layer, x, q_a, cos, sin, batch: Batch, plan: Plan):
+        q_idx, k_idx, w_idx = index_query_key(layer, x, q_a, cos, sin)
+        append_index_keys(k_idx, batch.cache.index_keys(layer.layer_idx), batch.slot_mapping,
+                          batch.cache.index_format, backend=layer.op_backend)
+        return (q_idx, w_idx), None
+
+
+class SharedIndexer(NoIndexer):
+    """GLM-5's shared layers: no indexer of their own; the top-k an earlier layer selected on
+    this batch (``shared_indices``: raises, before any write, when that layer has not run)."""
+
+    def __call__(self, layer, x, q_a, cos, sin, batch: Batch, plan: Plan):
+        return None, shared_indices(layer, batch, plan.sparse)
+
+
+def indexer(cfg, layer_idx: int) -> NoIndexer:
+    """The indexer part of layer ``layer_idx`` of ``cfg``."""
+    if not cfg.has_indexer:
+        return NoIndexer()
+    return SharedIndexer() if layer_idx in cfg.index_shared_layers else OwnIndexer()
 
 
 def index_query_key(layer, x: torch.Tensor, q_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -4,7 +4,7 @@ Each CP rank stores whole blocks of every sequence (global block j on CP rank j 
 slot for slot beside their latent rows, their indexer keys. Notation as in sparse.py, plus
 cp = cp_size, k = index_topk, and a key's *global index* = its position in the sequence:
 
-    per chunk of queries (the single-rank plan's chunks, strategy.sparse_chunks):
+    per chunk of queries (the single-rank plan's chunks, plan.sparse_chunks):
         logits_r  = indexer logits over rank r's keys       [rows, local keys]   -inf where the
                     key's global index is past the query's position (causal by position)
         cand_r    = local top-k of logits_r: (score, global index) [rows, k]     -1: no key
@@ -40,7 +40,7 @@ import torch
 from . import ops, sparse
 from .absorbed import absorb_query, helix_combine
 from .batch import Batch
-from .strategy import Plan, SparseChunk
+from .plan import Plan, SparseChunk
 
 __all__ = ["HelixChunk", "merge_topk", "select", "attend"]
 

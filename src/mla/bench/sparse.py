@@ -60,7 +60,7 @@ __all__ = ["add_args", "validate", "run", "Grid", "grid", "sparse_decode_bytes",
 SECTIONS = ("decode", "prefill", "indexer", "step")
 INDEX_KEYS = ("bf16", "fp8_ue8m0")   # the indexer's key rows (mla.quant)
 KV_FORMATS = ("bf16", "fp8_tile")
-INDEXER_TARGET = 0.25      # issue 32: indexer + top-k at most this fraction of the sparse decode
+INDEXER_TARGET = 0.25      # the goal: indexer + top-k at most this fraction of the sparse decode
 FULL = dict(heads=(16, 64, 128), batch=(32, 128), s_q=(1, 2), topk=2048, context=32768,
             prefill_heads=(64, 128), prefill_queries=4096, prefill_kv=32768)
 QUICK = dict(heads=(16, 128), batch=(4,), s_q=(1, 2), topk=512, context=4096,
