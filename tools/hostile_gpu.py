@@ -1,4 +1,4 @@
-"""Issue 30 on the GPU: strided index tensors give the contiguous call's bits on every decode
+"""Hostile inputs on the GPU: strided index tensors give the contiguous call's bits on every decode
 kernel, prefill, append and gather; NaN in an FP8 cache reaches the queries that see it; bad
 values the wrappers cannot check on CUDA (gather block ids and offsets, append slots, decode
 block ids and lengths) never read or write out of bounds. Run it plain, then under compute-sanitizer:

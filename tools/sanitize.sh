@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over tools/sanitize_gpu.py's cases (issue 30): each tool in turn, a log per
+# compute-sanitizer over tools/sanitize_gpu.py's cases: each tool in turn, a log per
 # tool under $LOG_DIR, and one summary line per tool. From the repository root, on the GPU:
 #
 #   tools/sanitize.sh [TOOL ...] [-- sanitize_gpu.py options]      # e.g. racecheck -- --only decode/

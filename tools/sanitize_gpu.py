@@ -1,4 +1,4 @@
-"""Issue 30 under compute-sanitizer: every GPU kernel the library launches, once or a few times, on
+"""Under compute-sanitizer: every GPU kernel the library launches, once or a few times, on
 small shapes: ragged lengths with zeros, shuffled block tables, NaN in every cache slot no query
 sees, odd head counts, one split and many (the combine), PDL on and off. Each case forces the
 kernel it is meant to reach (decode: the launcher by name; prefill: ``kernel=``; the FP8 GEMM:
