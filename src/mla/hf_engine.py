@@ -159,6 +159,26 @@ def _latent_config(cb: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
     return cb
 
 
+def pool_blocks(cfg, *, num_layers: int, dtype: torch.dtype, vocab_size: int, block_size: int,
+                max_batch_tokens: int, max_workspace_tokens: int, available: int) -> int:
+    """Blocks of latent rows that ``available`` bytes hold beside one step's activations.
+
+    A token costs its latent row in every MLA layer (``kv_lora_rank + qk_rope_head_dim`` values,
+    the indexer's key beside it for sparse families) and the engine's int64 read-index slot; a
+    step's token costs its hidden states, q, expanded k/v and attention output and its float32
+    logits; the expanded prefix rows of ``max_workspace_tokens`` are held at most once."""
+    item = torch.empty((), dtype=dtype).element_size()
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    if cfg.has_indexer:
+        row += cfg.index_row_dim * (item if dtype != torch.float8_e4m3fn else 2)
+    per_token = num_layers * row + 8
+    H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    per_step_token = item * (4 * cfg.hidden_size + H * (2 * dn + dr + 2 * dv)) + 4 * vocab_size + 64
+    workspace = max_workspace_tokens * H * (dn + dv) * item
+    tokens = (available - workspace - max_batch_tokens * per_step_token) // per_token
+    return max(tokens, 0) // block_size
+
+
 class LatentBatchingManager(ContinuousBatchingManager):
     """transformers' manager over a ``LatentCache``: the same API (add_request(s), get_result,
     request_id_iter, register_result_handler, cancel_request, start, stop). Its cache is sized
@@ -273,29 +293,21 @@ class LatentCache(PagedAttentionCache):
     # ---- sizing -----------------------------------------------------------------------------
 
     def _size(self, handle: PatchHandle, cb) -> tuple[int, int]:
-        """(max_batch_tokens, num_blocks): the pool takes what the step's activations leave of
-        ``max_memory_percent`` of the free memory, at the latent rows' bytes a token."""
+        """(max_batch_tokens, num_blocks): the given ones, or the pool that ``max_memory_percent``
+        of the free memory holds (``pool_blocks``), as the engine sizes its own."""
         M = cb.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         if cb.num_blocks is not None:
             return M, cb.num_blocks
-        cfg, layer = handle.cfg, handle.layers[0]
-        item = torch.empty((), dtype=handle.cache.dtype).element_size()
-        row = handle.cache.kv.shape[-1] * handle.cache.kv.element_size()
-        if handle.cache.index_kv is not None:
-            row += handle.cache.index_kv.shape[-1] * handle.cache.index_kv.element_size()
-        per_token = len(handle.layers) * row + 8            # + the engine's int64 read-index slot a page
-        H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        # a step's token: hidden states, q, expanded k/v and the attention output, float32 logits
-        per_step_token = item * (4 * cfg.hidden_size + H * (2 * dn + dr + 2 * dv)) + 4 * self.config.vocab_size + 64
-        workspace = layer.max_workspace_tokens * H * (dn + dv) * item    # the expanded prefix rows at once
         _, total, reserved, allocated = get_device_and_memory_breakdown()
         available = int((total - max(allocated, reserved)) * (cb.max_memory_percent or 0.9))
-        tokens = (available - workspace - M * per_step_token) // per_token
-        if tokens < self.block_size:
+        blocks = pool_blocks(handle.cfg, num_layers=len(handle.layers), dtype=handle.cache.dtype,
+                             vocab_size=self.config.vocab_size, block_size=self.block_size, max_batch_tokens=M,
+                             max_workspace_tokens=handle.layers[0].max_workspace_tokens, available=available)
+        if blocks < 1:
             raise ValueError(f"continuous_batching_config: {available} bytes available hold no block of "
                              f"{self.block_size} latent rows beside max_batch_tokens={M}; lower max_batch_tokens or "
                              "raise max_memory_percent")
-        return M, tokens // self.block_size
+        return M, blocks
 
     def _graphs(self, engine: Engine, handle: PatchHandle) -> list[StepGraph] | None:
         on = engine.graphs
