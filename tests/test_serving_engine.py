@@ -42,12 +42,13 @@ class Steps:
     """Records each engine step's (request, cached, new) rows."""
 
     def __init__(self, handle):
-        self.steps, plan = [], handle.engine_step
+        self.steps, self.graphed, plan = [], [], handle.engine_step
 
         def recording(kwargs):
             step = plan(kwargs)
             b = step.batch
             self.steps.append(list(zip(b.seq_ids, b.num_cached, b.num_new)))
+            self.graphed.append(all(type(r).__name__ == "StepGraph" for r in step.runners))
             return step
         handle.engine_step = recording
 
@@ -64,12 +65,12 @@ class Steps:
         return [{"prefill" if c == 0 else "decode" if n == 1 else "chunk" for _, c, n in s} for s in self.steps]
 
 
-def serve(case, lengths, new_tokens=8, seed=0, **cb):
+def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
     model = make_model(family(case), **CASES[case])
     ps = prompts(lengths, seed)
     refs = [reference(model, p, new_tokens) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf_engine.enable(handle, graphs=graphs)
     steps = Steps(handle)
     config = ContinuousBatchingConfig(**{"block_size": BLOCK, "num_blocks": 64, "max_batch_tokens": 16, **cb})
     out = model.generate_batch(ps, GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1),
@@ -88,6 +89,15 @@ def test_generate_batch_matches_generate(case):
     assert any({"prefill", "decode"} <= k or {"chunk", "decode"} <= k for k in kinds), kinds
     assert any("chunk" in k for k in kinds), kinds
     steps.check_continuous()
+
+
+def test_decode_steps_on_step_graphs():
+    """graphs=True: pure decode steps run each layer's StepGraph (eagerly on CPU, the same static
+    buffers a CUDA graph replays), with generate's tokens."""
+    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5], graphs=True)
+    assert [o.generated_tokens for o in out.values()] == refs
+    decode = [k == {"decode"} for k in steps.kinds()]
+    assert sum(decode) >= 4 and steps.graphed == decode
 
 
 @pytest.mark.parametrize("case", LINEAR)
