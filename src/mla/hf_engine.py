@@ -48,7 +48,7 @@ from transformers.generation.continuous_batching.initialization import update_cb
 from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
-__all__ = ["enable", "Engine", "LatentCache", "ATTENTION"]
+__all__ = ["enable", "Engine", "LatentCache", "RequestRefused", "ATTENTION", "pool_blocks"]
 
 # The attention implementation the engine's model runs under: a paged name, so the engine builds
 # no attention mask (its size is max_batch_tokens x the whole pool), and one no module calls:
@@ -62,6 +62,11 @@ _REFUSED = dict(use_cuda_graph="its graphs capture the model's forward, whose ml
                 varlen_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 decode_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 cpu_offload_space="admission reserves every request's blocks, so nothing is ever offloaded")
+
+
+class RequestRefused(ValueError):
+    """A request the latent cache can never hold (more blocks than the pool, or past the model's
+    positions); raised before it is queued."""
 
 
 def _never_called(*args, **kwargs):
@@ -326,10 +331,10 @@ class LatentCache(PagedAttentionCache):
         new = new_tokens or 0
         limit = self.engine.handle.cfg.max_position_embeddings
         if prompt_tokens + new > limit:
-            raise ValueError(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} exceed the model's "
+            raise RequestRefused(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} exceed the model's "
                              f"max_position_embeddings={limit}")
         if self._lifetime_blocks(prompt_tokens, new) > self.num_blocks:
-            raise ValueError(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} need "
+            raise RequestRefused(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} need "
                              f"{self._lifetime_blocks(prompt_tokens, new)} blocks of {self.block_size} tokens, more "
                              f"than the cache's {self.num_blocks}; the request can never fit")
 
