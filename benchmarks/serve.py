@@ -229,6 +229,9 @@ def main(argv=None):
                   trace=dict(requests=len(reqs), seed=args.seed, prompt_tokens=sum(len(p) for p, _ in reqs),
                              output_tokens=sum(n for _, n in reqs)))
     report["check"] = check_tokens(model, handle, [(p, min(n, 32)) for p, n in reqs[:4]], cb_kw, device)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     print("check", report["check"], flush=True)
     report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device)
     print("all_at_once", report["all_at_once"], flush=True)

@@ -252,18 +252,22 @@ class PagedLatentCache:
             if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in table):
                 raise ValueError(f"block_tables: expected block ids in 0..{self.num_blocks - 1} for {seq!r}, "
                                  f"got {table}")
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-        derived = torch.tensor(slots, dtype=torch.int64)
-        if slot_mapping is None:
-            slot_mapping = derived.to(self.device, non_blocking=True)
-        elif not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (len(slots),) or \
-                slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device:
+        T = sum(n for _, _, n in reqs)
+        if slot_mapping is not None and (
+                not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (T,)
+                or slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device):
             got = (f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on {slot_mapping.device}"
                    if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
-            raise ValueError(f"slot_mapping: expected [{len(slots)}] int64 on {self.device}, got {got}")
-        elif slot_mapping.device.type == "cpu" and not torch.equal(slot_mapping, derived):
-            raise ValueError("slot_mapping: expected each new token's slot in its sequence's table "
-                             "(block_tables[b][p // block_size] * block_size + p % block_size for position p)")
+            raise ValueError(f"slot_mapping: expected [{T}] int64 on {self.device}, got {got}")
+        if slot_mapping is None or self.device.type == "cpu":
+            for (seq, c, n), table in zip(reqs, tables):
+                slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            derived = torch.tensor(slots, dtype=torch.int64)
+            if slot_mapping is None:
+                slot_mapping = derived.to(self.device, non_blocking=True)
+            elif not torch.equal(slot_mapping, derived):
+                raise ValueError("slot_mapping: expected each new token's slot in its sequence's table "
+                                 "(block_tables[b][p // block_size] * block_size + p % block_size for position p)")
         self._engine_owned = True
         return self._table_batch(reqs, tables, slot_mapping)
 
