@@ -427,6 +427,10 @@ class LatentCache(PagedAttentionCache):
                              "engine prepared for this step")
         tables = [self.group_cache_managers[0].block_table[r] for r, _, _ in reqs]
         write_index = kwargs["write_index"][0][:T]
+        if self.device.type == "cuda":
+            # the engine fills its index tensors on the default stream and runs the forward on
+            # its compute stream: order the two before the layers read the write index
+            torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
         batch = self.latent.batch_from_tables(reqs, tables, write_index)
         layers = self.engine.handle.layers
         runners = self.graphs if self.graphs is not None and self.graphs[0].fits(batch) else layers
