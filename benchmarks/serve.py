@@ -233,8 +233,10 @@ def main(argv=None):
     if device == "cuda":
         torch.cuda.empty_cache()
     print("check", report["check"], flush=True)
+    save(report, args.out)
     report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device)
     print("all_at_once", report["all_at_once"], flush=True)
+    save(report, args.out)
     rate = args.poisson * len(reqs) / report["all_at_once"]["seconds"]
     rng = random.Random(args.seed + 1)
     arrivals, t = [], 0.0
@@ -243,6 +245,7 @@ def main(argv=None):
         t += rng.expovariate(rate)
     report["poisson"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, cb_kw, device))
     print("poisson", report["poisson"], flush=True)
+    save(report, args.out)
     static = []
     for b in map(int, args.static_batches.split(",")):
         try:
@@ -251,13 +254,19 @@ def main(argv=None):
             static.append(dict(batch=b, error="out of memory"))
             torch.cuda.empty_cache()
         print("static", static[-1], flush=True)
+        report["static"] = static
+        save(report, args.out)
     report["static"] = static
     best = max((s for s in static if "tokens_per_s" in s), key=lambda s: s["tokens_per_s"])
     report["speedup_all_at_once_vs_best_static"] = report["all_at_once"]["tokens_per_s"] / best["tokens_per_s"]
     report["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
+    save(report, args.out)
+
+
+def save(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(report, f, indent=1)
 
 
