@@ -65,6 +65,8 @@ def test_slot_mapping_given_is_checked_on_cpu():
     ([("a", 0, 5)], [[1]], "needs 2 blocks"),
     ([("a", 0, 3)], [[32]], "block ids in 0..31"),
     ([("a", 0, 3)], [[-1]], "block ids in 0..31"),
+    ([("a", 0, 3)], [[1.0]], "block ids in 0..31"),
+    ([("a", 0, 3)], [["1"]], "block ids in 0..31"),
     ([("a", -1, 3)], [[1]], "num_cached an int >= 0"),
     ([("a", 0, 3), ("a", 3, 1)], [[1], [1]], "appears twice"),
     ([("a", 60, 10)], [list(range(18))], "max_position_embeddings"),

@@ -239,19 +239,28 @@ class PagedLatentCache:
         if len(tables) != len(reqs):
             raise ValueError(f"block_tables: expected one table for each of the {len(reqs)} requests, got {len(tables)}")
         self._check_requests([(seq, n) for seq, _, n in reqs])
-        bs, slots = self.block_size, []
+        bs, need = self.block_size, []
         for (seq, c, n), table in zip(reqs, tables):
             if not isinstance(c, int) or isinstance(c, bool) or c < 0:
                 raise ValueError(f"requests: expected num_cached an int >= 0 for {seq!r}, got {c!r}")
             if c + n > self.cfg.max_position_embeddings:
                 raise ValueError(f"requests: sequence {seq!r} would reach {c + n} tokens, past "
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
-            if len(table) < _blocks_for(c + n, bs):
-                raise ValueError(f"block_tables: sequence {seq!r} of {c + n} tokens needs {_blocks_for(c + n, bs)} "
+            need.append(_blocks_for(c + n, bs))
+            if len(table) < need[-1]:
+                raise ValueError(f"block_tables: sequence {seq!r} of {c + n} tokens needs {need[-1]} "
                                  f"blocks of {bs}, its table has {len(table)}")
-            if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in table):
-                raise ValueError(f"block_tables: expected block ids in 0..{self.num_blocks - 1} for {seq!r}, "
-                                 f"got {table}")
+        # the blocks the step reads, as one host tensor checked at once (a step of 256 sequences
+        # holds ~10k block ids: a Python check of each costs milliseconds a step)
+        width = max(need + [1])
+        try:
+            table = torch.tensor([t[:k] + [0] * (width - k) for t, k in zip(tables, need)] or [[0]])
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            table = None
+        if table is None or table.dtype != torch.int64 or not bool(((table >= 0) & (table < self.num_blocks)).all()):
+            raise ValueError(f"block_tables: expected int block ids in 0..{self.num_blocks - 1}, got "
+                             f"{[t[:k] for t, k in zip(tables, need)]}"[:300])
+        table = table[:len(reqs)]
         T = sum(n for _, _, n in reqs)
         if slot_mapping is not None and (
                 not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (T,)
@@ -259,17 +268,18 @@ class PagedLatentCache:
             got = (f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on {slot_mapping.device}"
                    if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
             raise ValueError(f"slot_mapping: expected [{T}] int64 on {self.device}, got {got}")
+        positions = torch.cat([torch.arange(c, c + n) for _, c, n in reqs]) if reqs else torch.zeros(0, dtype=torch.int64)
         if slot_mapping is None or self.device.type == "cpu":
-            for (seq, c, n), table in zip(reqs, tables):
-                slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            derived = torch.tensor(slots, dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor([n for _, _, n in reqs],
+                                                                                 dtype=torch.int64))
+            derived = table[rows, positions // bs] * bs + positions % bs
             if slot_mapping is None:
                 slot_mapping = derived.to(self.device, non_blocking=True)
             elif not torch.equal(slot_mapping, derived):
                 raise ValueError("slot_mapping: expected each new token's slot in its sequence's table "
                                  "(block_tables[b][p // block_size] * block_size + p % block_size for position p)")
         self._engine_owned = True
-        return self._table_batch(reqs, tables, slot_mapping)
+        return self._table_batch(reqs, table, positions, slot_mapping)
 
     def fork(self, src_seq_id: Hashable, dst_seq_id: Hashable) -> None:
         """dst shares all of src's tokens; a partly filled last block is copied on its first write."""
@@ -454,23 +464,21 @@ class PagedLatentCache:
         return batch
 
 
-    def _table_batch(self, reqs, tables, slot_mapping: torch.Tensor) -> Batch:
-        width = max([len(t) for t in tables] + [1])
-        positions, cu_q, cu_k = [], [0], [0]
+    def _table_batch(self, reqs, table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> Batch:
+        cu_q, cu_k = [0], [0]
         for _, c, n in reqs:
-            positions.extend(range(c, c + n))
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + c + n)
 
         def ints(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
         batch = Batch(
             seq_ids=tuple(s for s, _, _ in reqs), num_cached=tuple(c for _, c, _ in reqs),
             num_new=tuple(n for _, _, n in reqs), positions=ints(positions, torch.int64), slot_mapping=slot_mapping,
-            block_table=ints([t + [0] * (width - len(t)) for t in tables], torch.int32).view(len(reqs), width),
-            cache_seqlens=ints([c + n for _, c, n in reqs], torch.int32), cu_seqlens_q=ints(cu_q, torch.int32),
-            cu_seqlens_k=ints(cu_k, torch.int32), block_size=self.block_size, cache=self, _checked=self._changes)
+            block_table=ints(table, torch.int32), cache_seqlens=ints([c + n for _, c, n in reqs], torch.int32),
+            cu_seqlens_q=ints(cu_q, torch.int32), cu_seqlens_k=ints(cu_k, torch.int32), block_size=self.block_size,
+            cache=self, _checked=self._changes)
         self._prepared.add(batch)
         return batch
 
