@@ -213,6 +213,27 @@ def test_stop_tokens_sampling_and_num_return_sequences():
     assert all(o.generated_tokens == refs[0] for o in outs), outs
 
 
+def test_persistent_manager_serves_again():
+    """generate_batch(persistent_manager=True) keeps the manager and its latent pool; the second
+    call reuses them, on the latent attention again, and the model's own is back after each."""
+    model = make_model("deepseek_v3")
+    ps = prompts([6, 9], 7)
+    refs = [reference(model, p, 6) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
+    first = model.generate_batch(ps, gen, continuous_batching_config=cb, persistent_manager=True)
+    kept = model._cached_continuous_batching_manager
+    assert model.config._attn_implementation == "eager"
+    second = model.generate_batch(ps[::-1], gen, continuous_batching_config=cb, persistent_manager=True)
+    assert model._cached_continuous_batching_manager is kept
+    assert [o.generated_tokens for o in first.values()] == refs
+    assert [o.generated_tokens for o in second.values()] == refs[::-1]
+    assert model.config._attn_implementation == "eager"
+    model.destroy_cached_continuous_batching_manager()
+
+
 def test_pool_sized_by_latent_rows():
     """DeepSeek-V3 (61 layers, 128 heads): the memory that holds N expanded K/V tokens holds ~71x
     more latent rows; the step's activations and workspace come off first."""

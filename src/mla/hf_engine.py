@@ -122,6 +122,7 @@ class Engine:
             raise ValueError("model: its patch was undone (unpatch); patch it and enable it again")
         cached = getattr(self.model, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LatentBatchingManager):
+            cached.use_latent_attention()       # stop() put the model's own implementation back
             return cached
         gen = generation_config if generation_config is not None else self.model.generation_config
         if gen is None:
@@ -191,14 +192,25 @@ class LatentBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, engine: Engine, generation_config, continuous_batching_config, workload_hints):
         self.engine = engine
-        model = engine.model
-        original = model.config._attn_implementation
-        if original != ATTENTION:
-            model.set_attn_implementation(ATTENTION)
-        super().__init__(model, generation_config, continuous_batching_config, workload_hints)
-        if original != ATTENTION:
-            self._original_attn_impl = original     # stop() puts it back
+        restore = self._latent_attention(engine.model)
+        super().__init__(engine.model, generation_config, continuous_batching_config, workload_hints)
+        self._original_attn_impl = restore          # stop() puts it back
         self.batch_processor = self._create_batch_processor()
+
+    @staticmethod
+    def _latent_attention(model) -> str | None:
+        """Switch the model to ATTENTION; the implementation to restore, or None."""
+        original = model.config._attn_implementation
+        if original == ATTENTION:
+            return None
+        model.set_attn_implementation(ATTENTION)
+        return original
+
+    def use_latent_attention(self) -> None:
+        """Before a kept manager (``persistent_manager``) serves again."""
+        restore = self._latent_attention(self.model)
+        if restore is not None:
+            self._original_attn_impl = restore
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         processor = getattr(self, "batch_processor", None)
