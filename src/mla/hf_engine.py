@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 
-
 from .hf import PatchHandle, _Step
 from .hf_engine_cache import LatentCache, RequestRefused, pool_blocks
 
