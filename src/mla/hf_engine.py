@@ -11,7 +11,8 @@ Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
   (``allow_block_sharing``), forks them for ``num_return_sequences``;
 - ``LatentCache``, the engine's cache here, stores one latent row a token and layer (576 values
   for DeepSeek-V3, in a ``PagedLatentCache``) instead of expanded K/V, and sizes the pool from
-  that row: the same memory holds ``2 * H * (dn + dr + ...)`` / 576 times more tokens;
+  that row: the same memory holds ``H * (dn + dr + dv) / (r + dr)`` times more tokens (71x for
+  DeepSeek-V3's 128 heads);
 - each forward of the engine, the patch's pre-hook asks ``LatentCache.step`` for the step: the
   engine's block tables and write index (its slot mapping) become one ``mla.Batch``
   (``PagedLatentCache.batch_from_tables``) that every MLA layer reads; pure decode steps replay
@@ -21,7 +22,10 @@ Admission never evicts: a request is admitted only when the pool holds its whole
 ``max_new_tokens``) beside what the admitted requests may still grow to, so a running request
 never starves and the engine's offloading never runs. A request that does not fit now waits; one
 that can never fit (more blocks than the pool, or past ``max_position_embeddings``) is refused
-with a ValueError when it is added.
+with ``RequestRefused`` (a ValueError) when it is added.
+
+One patched model serves one thing at a time: while a manager runs, the patch's plain
+``generate`` must not (both drive the same stand-ins).
 
 Where the engine is not extended but configured: its own CUDA graphs, torch.compile paths, async
 double-buffering, decode fast path (a flash-attention block table) and CPU offloading assume K/V
