@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import os
 import sys
 import time
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cb-max-memory-percent", type=float, default=None, help="share of free memory for the cache")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on a GPU, families without an indexer)")
+    p.add_argument("--trust-remote-code", action="store_true", help="as transformers serve")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help="default JSON kwargs of apply_chat_template (requests' own override them)")
     p.add_argument("--enable-cors", action="store_true")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--default-seed", type=int, default=None)
@@ -54,9 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mla serve: model: expected a local directory with a config.json, got {args.model!r}", file=sys.stderr)
         return 2
     try:
+        template_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    except json.JSONDecodeError as e:
+        template_kwargs = e
+    if not isinstance(template_kwargs, dict):
+        print(f"mla serve: --chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs!r}",
+              file=sys.stderr)
+        return 2
+    try:
         import uvicorn
         app = build_app(args.model, device=args.device, dtype=args.dtype, graphs=args.graphs,
                         enable_cors=args.enable_cors, seed=args.default_seed,
+                        trust_remote_code=args.trust_remote_code, chat_template_kwargs=template_kwargs,
                         cb={"block_size": args.cb_block_size, "num_blocks": args.cb_num_blocks,
                             "max_batch_tokens": args.cb_max_batch_tokens,
                             "max_memory_percent": args.cb_max_memory_percent})
@@ -68,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", graphs: bool | None = None,
-              cb: dict | None = None, enable_cors: bool = False, seed: int | None = None):
+              cb: dict | None = None, enable_cors: bool = False, seed: int | None = None,
+              trust_remote_code: bool = False, chat_template_kwargs: dict | None = None):
     """The FastAPI app serving the patched model of ``model_dir`` (loaded now)."""
     from fastapi import HTTPException, Request
     from fastapi.responses import JSONResponse
@@ -147,12 +161,15 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
                                     "{'role': ..., 'content': ...} objects")
             return await super().handle_request(body, request_id)
 
-    models = PatchedModels(device=device, dtype=dtype, force_model=os.path.abspath(model_dir))
+    models = PatchedModels(device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                           force_model=os.path.abspath(model_dir))
     config = dict(per_request_processors=True, **{k: v for k, v in (cb or {}).items() if v is not None})
     state = State(continuous_batching=True, cb_config=ContinuousBatchingConfig(**config))
-    app = build_server(models, Chat(model_manager=models, generation_state=state),
+    template = dict(chat_template_kwargs or {})
+    app = build_server(models, Chat(model_manager=models, generation_state=state, chat_template_kwargs=template),
                        completion_handler=CompletionHandler(model_manager=models, generation_state=state),
-                       response_handler=ResponseHandler(model_manager=models, generation_state=state),
+                       response_handler=ResponseHandler(model_manager=models, generation_state=state,
+                                                        chat_template_kwargs=template),
                        transcription_handler=TranscriptionHandler(models, state), generation_state=state,
                        enable_cors=enable_cors)
 
