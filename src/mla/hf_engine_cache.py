@@ -161,6 +161,8 @@ class LatentCache(PagedAttentionCache):
     def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
         if request_id not in self._reserved:
             state = self._state(request_id)
+            if state is None:
+                raise ValueError(f"request_id: {request_id!r} is not a request of the engine's scheduler")
             need = self._lifetime_blocks(len(state.initial_tokens), state.max_new_tokens or 0) - allocated_blocks
             if max(need, n_blocks) > self._headroom():
                 return None                    # waits: the admitted requests keep their blocks
