@@ -345,8 +345,8 @@ class PatchHandle:
         return None
 
     def _end_step(self, module, args, kwargs, output):
-        engine, self._step = self._step is not None and self._step.runners is not None, None
-        if engine:
+        step, self._step = self._step, None
+        if step is not None and step.runners is not None:   # an engine step: the request is not the patch's
             return None
         past_cache = kwargs.get("past_key_values")
         if past_cache is None:                 # the model made its own Cache (use_cache, no cache given)
