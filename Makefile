@@ -6,7 +6,10 @@ STAMP  := $(VENV)/.installed
 
 # Pinned versions: torch 2.13.0 is the CPU wheel on this machine's disk; numpy<2.4 because
 # Triton 3.6's interpreter fails on run-time loop bounds with numpy 2.4 (triton-lang/triton#9171).
+# The serving stack (`mla serve`, transformers[serving]) and httpx for its tests.
 DEPS := torch==2.13.0 "numpy<2.4" triton==3.6.0 transformers==5.17.0 pytest pytest-xdist
+SERVE_DEPS := fastapi==0.165.0 uvicorn==0.55.0 openai==3.60.0 pydantic==2.14.4 starlette==1.10.0 rich==15.0.0 \
+	accelerate==1.16.0 httpx==0.29.0
 
 .PHONY: demo test setup clean device-site
 setup: $(STAMP)
@@ -14,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(DEPS)
+	$(PY) -m pip install -q $(DEPS) $(SERVE_DEPS)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -15,6 +15,7 @@ raises leaves the cache exactly as it was.
 """
 from __future__ import annotations
 
+import array
 import math
 import os
 import weakref
@@ -123,6 +124,9 @@ class PagedLatentCache:
         # the batches prepare made (and only those): a Batch built by hand, or a copy of one,
         # could carry any slot_mapping and overwrite other sequences' rows
         self._prepared: weakref.WeakSet[Batch] = weakref.WeakSet()
+        # an engine owns the blocks (``batch_from_tables``): prepare's bookkeeping would hand out
+        # the same blocks again, so the cache serves one owner for its lifetime
+        self._engine_owned = False
 
     # ---- queries ---------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -175,6 +179,9 @@ class PagedLatentCache:
     def prepare(self, requests: Iterable[tuple[Hashable, int]]) -> Batch:
         """Reserve slots for one step: ``requests`` is [(seq_id, num_new_tokens), ...] in the
         order of the rows of hidden_states. Unknown seq_ids start empty. Returns the Batch."""
+        if self._engine_owned:
+            raise ValueError("requests: this cache's blocks are owned by an engine (batch_from_tables); expected a "
+                             "cache whose blocks mla owns")
         reqs = self._check_requests(requests)
         need, copied = 0, {}   # copied: shared block -> copies counted so far (the last writer keeps it)
         for seq, n in reqs:
@@ -200,6 +207,85 @@ class PagedLatentCache:
             self._lengths[seq] = old + n
             self._changed(seq)
         return self._build_batch(reqs)
+
+    def batch_from_tables(self, requests: Iterable[tuple[Hashable, int, int]], block_tables, slot_mapping=None) -> Batch:
+        """A Batch over blocks that an engine owns: its KV-cache manager allocates the blocks,
+        shares prefixes and forks, and the layers read the block tables and slot mapping it
+        computed (TensorRT-LLM's, vLLM's and SGLang's split). ``prepare`` is the other owner, mla's
+        own bookkeeping; one cache serves one of the two for its lifetime.
+
+        requests: [(seq_id, num_cached, num_new), ...] in the order of the rows of hidden_states.
+        block_tables: one list of block ids a sequence, in token order, covering at least its
+            num_cached + num_new tokens (ints in 0 .. num_blocks - 1).
+        slot_mapping: [T] int64 on the cache's device (T = sum of num_new), the flat slot
+            (block * block_size + offset) of every new token, e.g. the engine's write index; None
+            derives it from the tables. Its values are checked on CPU only (on CUDA a check would
+            sync the stream every step).
+        Raises ValueError before anything is written: a malformed request, a sequence twice, a
+        length past max_position_embeddings, a table too short or with a block out of range, a
+        slot_mapping of the wrong shape, dtype, device or (CPU) value, Helix CP (not implemented
+        here), or a cache that prepare already serves."""
+        if self.cp_size > 1:
+            raise ValueError(f"requests: engine-owned blocks under Helix CP (cp_size {self.cp_size}) are not "
+                             "implemented; expected a cache with cp_size 1")
+        if self._lengths:
+            raise ValueError(f"requests: this cache holds {len(self._lengths)} sequences of its own (prepare); "
+                             "expected a cache whose blocks an engine owns from the start")
+        try:
+            reqs = [(seq, c, n) for seq, c, n in requests]
+            tables = [list(t) for t in block_tables]
+        except (TypeError, ValueError):
+            raise ValueError("requests, block_tables: expected (seq_id, num_cached, num_new) triples and one list of "
+                             "block ids a sequence") from None
+        if len(tables) != len(reqs):
+            raise ValueError(f"block_tables: expected one table for each of the {len(reqs)} requests, got {len(tables)}")
+        self._check_requests([(seq, n) for seq, _, n in reqs])
+        bs, need = self.block_size, []
+        for (seq, c, n), table in zip(reqs, tables):
+            if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+                raise ValueError(f"requests: expected num_cached an int >= 0 for {seq!r}, got {c!r}")
+            if c + n > self.cfg.max_position_embeddings:
+                raise ValueError(f"requests: sequence {seq!r} would reach {c + n} tokens, past "
+                                 f"max_position_embeddings={self.cfg.max_position_embeddings}")
+            need.append(_blocks_for(c + n, bs))
+            if len(table) < need[-1]:
+                raise ValueError(f"block_tables: sequence {seq!r} of {c + n} tokens needs {need[-1]} "
+                                 f"blocks of {bs}, its table has {len(table)}")
+        # the blocks the step reads, as one host tensor checked at once (a step of 256 sequences
+        # holds ~10k block ids: a Python check of each costs milliseconds a step)
+        width = max(need + [1])
+        flat = []
+        for t, k in zip(tables, need):
+            flat += t[:k]
+            flat += [0] * (width - k)
+        try:   # array's int64 conversion refuses what is not an int, ~5x faster than torch.tensor of a list
+            table = torch.frombuffer(array.array("q", flat or [0]), dtype=torch.int64).clone()
+        except (TypeError, ValueError, OverflowError):
+            table = None
+        if table is None or not bool(((table >= 0) & (table < self.num_blocks)).all()):
+            raise ValueError(f"block_tables: expected int block ids in 0..{self.num_blocks - 1}, got "
+                             f"{[t[:k] for t, k in zip(tables, need)]}"[:300])
+        table = table[:len(reqs) * width].view(len(reqs), width)
+        T = sum(n for _, _, n in reqs)
+        if slot_mapping is not None and (
+                not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (T,)
+                or slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device):
+            got = (f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on {slot_mapping.device}"
+                   if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
+            raise ValueError(f"slot_mapping: expected [{T}] int64 on {self.device}, got {got}")
+        positions = torch.frombuffer(array.array("q", [p for _, c, n in reqs for p in range(c, c + n)] or [0]),
+                                     dtype=torch.int64)[:T].clone()
+        if slot_mapping is None or self.device.type == "cpu":
+            rows = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor([n for _, _, n in reqs],
+                                                                                 dtype=torch.int64))
+            derived = table[rows, positions // bs] * bs + positions % bs
+            if slot_mapping is None:
+                slot_mapping = derived.to(self.device, non_blocking=True)
+            elif not torch.equal(slot_mapping, derived):
+                raise ValueError("slot_mapping: expected each new token's slot in its sequence's table "
+                                 "(block_tables[b][p // block_size] * block_size + p % block_size for position p)")
+        self._engine_owned = True
+        return self._table_batch(reqs, table, positions, slot_mapping)
 
     def fork(self, src_seq_id: Hashable, dst_seq_id: Hashable) -> None:
         """dst shares all of src's tokens; a partly filled last block is copied on its first write."""
@@ -380,6 +466,25 @@ class PagedLatentCache:
             cache_seqlens=ints(seqlens, torch.int32), cu_seqlens_q=ints(cu_q, torch.int32),
             cu_seqlens_k=ints(cu_k, torch.int32), block_size=bs, cache=self,
             versions=tuple(self._versions[s] for s, _ in reqs), _checked=self._changes)
+        self._prepared.add(batch)
+        return batch
+
+
+    def _table_batch(self, reqs, table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> Batch:
+        cu_q, cu_k = [0], [0]
+        for _, c, n in reqs:
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + c + n)
+
+        def ints(x, dtype):
+            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        batch = Batch(
+            seq_ids=tuple(s for s, _, _ in reqs), num_cached=tuple(c for _, c, _ in reqs),
+            num_new=tuple(n for _, _, n in reqs), positions=ints(positions, torch.int64), slot_mapping=slot_mapping,
+            block_table=ints(table, torch.int32), cache_seqlens=ints([c + n for _, c, n in reqs], torch.int32),
+            cu_seqlens_q=ints(cu_q, torch.int32), cu_seqlens_k=ints(cu_k, torch.int32), block_size=self.block_size,
+            cache=self, _checked=self._changes)
         self._prepared.add(batch)
         return batch
 

@@ -98,6 +98,7 @@ class _Step:
     batch: Any                  # mla.Batch, or None when no row brings a real token
     index: torch.Tensor | None  # [T] flat rows (b * S + s) of the real tokens; None: all B * S rows
     graphed: bool = False       # every layer's StepGraph serves the batch (patch(graphs=True))
+    runners: Any = None         # what runs each MLA layer (by index) instead, for an engine's step (mla.hf_engine)
 
 
 class _MLAAttention(nn.Module):
@@ -122,7 +123,8 @@ class _MLAAttention(nn.Module):
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
             x = x.to(self.mla.dtype).contiguous()
-            run = self.graph if step.graphed else self.mla
+            run = step.runners[self.mla.layer_idx] if step.runners is not None else \
+                self.graph if step.graphed else self.mla
             y = run(x, step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
@@ -236,6 +238,8 @@ class PatchHandle:
         self._columns: int | None = 0          # mask columns consumed (None: a forward failed)
         self._step: _Step | None = None
         self._pending: int | None = None
+        # plans the forwards of transformers' continuous-batching engine (set by mla.hf_engine.enable)
+        self.engine_step = None
 
     @property
     def graphs(self) -> bool:
@@ -278,6 +282,9 @@ class PatchHandle:
     # ---- one forward --------------------------------------------------------------------
 
     def _begin_step(self, module, args, kwargs):
+        if self.engine_step is not None and "write_index" in kwargs:
+            self._step = self.engine_step(kwargs)   # an engine step: the engine's tables, not a Cache
+            return None
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
@@ -338,7 +345,9 @@ class PatchHandle:
         return None
 
     def _end_step(self, module, args, kwargs, output):
-        self._step = None
+        step, self._step = self._step, None
+        if step is not None and step.runners is not None:   # an engine step: the request is not the patch's
+            return None
         past_cache = kwargs.get("past_key_values")
         if past_cache is None:                 # the model made its own Cache (use_cache, no cache given)
             past_cache = getattr(output, "past_key_values", None)

@@ -1,0 +1,287 @@
+"""Serving throughput: transformers' continuous batching on mla's latent cache (mla.hf_engine)
+against the same patched model's ``generate`` in static batches, in one process.
+
+The model is DeepSeek-V3-shaped with random bf16 weights (hidden 7168, 128 heads, q_lora_rank
+1536, kv_lora_rank 512; ``--layers`` layers with a small dense MLP and vocabulary, so that
+attention dominates). The trace is seeded: ``--requests`` prompts of 128-4096 random tokens, each
+with 64-512 new tokens (EOS off), served
+
+- all at once (every request added at t=0), and with Poisson arrivals at ``--poisson`` times the
+  all-at-once run's request rate;
+- by static batches of ``generate`` (left-padded, each batch run to its longest budget; only
+  each request's own budget counts as output) at each size of ``--static-batches`` over the
+  trace's first ``--static-requests`` requests, the best size reported.
+
+Before the timed runs the trace runs once with 4 new tokens a request (``warmup_s``): that
+first pass compiles the Triton kernels' variants for the trace's shapes and captures the
+decode graphs, which would otherwise land in the first timed run.
+
+Reported per run: output tokens/s, TTFT and TPOT (time per output token after the first)
+p50/p99, peak GPU memory, the most sequences in one step, how many steps replayed CUDA graphs,
+and where the loop's time goes: the engine's host work (scheduling, batch tensors, updates),
+the model's forward call (its host work, and the GPU wherever the forward waits on it: a
+pageable host-to-device copy of the step's tables waits for the stream), and the wait for the
+step's sampled tokens.
+
+    PYTHONPATH=src python3 benchmarks/serve.py --out serve.json
+    PYTHONPATH=src python3 benchmarks/serve.py --tiny     # a CPU smoke run of the same code
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import threading
+import time
+
+import torch
+
+import mla
+import mla.hf_engine
+from transformers import ContinuousBatchingConfig, DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+
+
+def model_config(layers: int, tiny: bool) -> DeepseekV3Config:
+    if tiny:
+        dims = dict(hidden_size=64, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16)
+    else:
+        dims = dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    return DeepseekV3Config(**dims, num_key_value_heads=dims["num_attention_heads"], num_hidden_layers=layers,
+                            intermediate_size=1024, first_k_dense_replace=layers, vocab_size=1024,
+                            max_position_embeddings=8192, rope_interleave=True, tie_word_embeddings=False)
+
+
+def build(layers: int, tiny: bool, device: str):
+    cfg = model_config(layers, tiny)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16).eval()
+    return model
+
+
+def trace(n: int, seed: int, tiny: bool):
+    rng = random.Random(seed)
+    lo, hi, nlo, nhi = (4, 40, 2, 12) if tiny else (128, 4096, 64, 512)
+    return [([rng.randrange(1024) for _ in range(rng.randint(lo, hi))], rng.randint(nlo, nhi)) for _ in range(n)]
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))] if xs else float("nan")
+
+
+class Probe:
+    """Times the engine's loop parts on one manager's processor, and counts its steps."""
+
+    def __init__(self, manager, handle):
+        self.t = dict(engine_host=0.0, forward_host=0.0, gpu_wait=0.0)
+        self.steps = self.graphed = self.max_seqs = 0
+        proc = manager.batch_processor
+        self._wrap(proc, "prepare_next_batch", "engine_host")
+        self._wrap(proc, "update_batch", "engine_host")
+        self._wrap(proc.model_runner, "compute_batch", "forward_host")
+        self._wrap(proc.inputs_and_outputs, "retrieve_device_outputs", "gpu_wait")
+        plan = handle.engine_step
+
+        def counting(kwargs):
+            step = plan(kwargs)
+            self.steps += 1
+            self.graphed += step.runners is not handle.layers
+            self.max_seqs = max(self.max_seqs, step.batch.num_seqs)
+            return step
+        handle.engine_step = counting
+        self._restore = lambda: setattr(handle, "engine_step", plan)
+
+    def _wrap(self, obj, name, key):
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    def close(self):
+        self._restore()
+
+
+def run_engine(model, handle, reqs, arrivals, cb_kw, device):
+    """Serve reqs [(prompt, new_tokens)] with request i added at arrivals[i] seconds."""
+    gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**cb_kw))
+    probe = Probe(manager, handle)
+    pool_tokens = manager.cache.num_pages
+    if device == "cuda":
+        for g in manager.cache.graphs or []:
+            g.capture()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    manager.start()
+    outs = {}
+
+    def collect():     # non-streaming requests: the queue holds each one's finished output
+        while len(outs) < len(reqs) and manager.is_running():
+            out = manager.get_result(timeout=0.5)
+            if out is not None and out.is_finished():
+                outs[out.request_id] = out
+    collector = threading.Thread(target=collect)
+    collector.start()
+    t0 = time.perf_counter()
+    try:
+        for i, ((prompt, new), at) in enumerate(zip(reqs, arrivals)):
+            wait = t0 + at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, record_timestamps=True)
+        collector.join()
+        elapsed = time.perf_counter() - t0
+        if len(outs) < len(reqs):
+            raise RuntimeError(f"the engine's loop stopped with {len(reqs) - len(outs)} requests unserved")
+    finally:
+        manager.stop(block=True, timeout=30)
+        probe.close()
+        del manager
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    errors = [o.error for o in outs.values() if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    assert tokens == sum(n for _, n in reqs), "a request ended early"
+    ttft = [o.timestamps[0] - o.created_time for o in outs.values()]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs.values()
+            if len(o.timestamps) > 1]
+    return dict(seconds=elapsed, output_tokens=tokens, tokens_per_s=tokens / elapsed,
+                ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+                tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
+                peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else None,
+                most_in_flight=probe.max_seqs, steps=probe.steps, graphed_steps=probe.graphed,
+                pool_tokens=pool_tokens,
+                time_split={k: round(v, 3) for k, v in probe.t.items()})
+
+
+def run_static(model, reqs, batch, device):
+    """generate in static batches of ``batch`` (left-padded); useful tokens = each request's own budget."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, (p, _) in enumerate(chunk):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        new = max(n for _, n in chunk)
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync()
+    elapsed = time.perf_counter() - t0
+    useful = sum(n for _, n in reqs)
+    return dict(batch=batch, seconds=elapsed, output_tokens=useful, tokens_per_s=useful / elapsed)
+
+
+def check_tokens(model, handle, reqs, cb_kw, device):
+    """The engine's greedy tokens against the patched model's own generate, request by request
+    (bf16 on the GPU: another batch composition may round differently, so this counts matches)."""
+    gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False, eos_token_id=-1)
+    out = model.generate_batch([p for p, _ in reqs], gen, continuous_batching_config=ContinuousBatchingConfig(
+        **cb_kw), progress_bar=False)
+    same = 0
+    for (p, n), o in zip(reqs, out.values()):
+        ref = model.generate(torch.tensor([p], device=device), max_new_tokens=len(o.generated_tokens),
+                             do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+        same += ref == o.generated_tokens
+    return dict(requests=len(reqs), identical=same)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--poisson", type=float, default=0.7, help="arrival rate, times the all-at-once request rate")
+    ap.add_argument("--static-batches", default="32,64")
+    ap.add_argument("--static-requests", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--memory", type=float, default=0.4, help="max_memory_percent of the engine's pool")
+    ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    t_start = time.perf_counter()
+    model = build(args.layers, args.tiny, device)
+    reqs = trace(args.requests, args.seed, args.tiny)
+    longest = max(len(p) + n for p, n in reqs)
+    bs = 4 if args.tiny else 64
+    # the patch's own cache serves the static batches: the widest batch of the longest requests
+    blocks = max(map(int, args.static_batches.split(","))) * -(-longest // bs) + 8
+    handle = mla.hf.patch(model, num_blocks=blocks, block_size=bs)
+    mla.hf_engine.enable(handle)
+    cb_kw = dict(block_size=bs, max_batch_tokens=args.max_batch_tokens,
+                 max_memory_percent=args.memory, allow_block_sharing=False)
+    if args.tiny:
+        cb_kw.update(num_blocks=4096, max_batch_tokens=64)
+    report = dict(model=dict(layers=args.layers, heads=model.config.num_attention_heads,
+                             hidden=model.config.hidden_size, dtype=str(model.dtype)),
+                  trace=dict(requests=len(reqs), seed=args.seed, prompt_tokens=sum(len(p) for p, _ in reqs),
+                             output_tokens=sum(n for _, n in reqs)))
+    report["check"] = check_tokens(model, handle, [(p, min(n, 32)) for p, n in reqs[:4]], cb_kw, device)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    print("check", report["check"], flush=True)
+    save(report, args.out)
+    # the first pass over the trace's shapes compiles Triton kernel variants (varlen prefill,
+    # decode of a chunk's tail over its prefix: specialised on their int arguments) and
+    # captures the decode graphs: run the trace once with 4 new tokens a request, untimed
+    t0 = time.perf_counter()
+    run_engine(model, handle, [(p, 4) for p, _ in reqs], [0.0] * len(reqs), cb_kw, device)
+    report["warmup_s"] = time.perf_counter() - t0
+    print("warmup", report["warmup_s"], flush=True)
+    report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device)
+    print("all_at_once", report["all_at_once"], flush=True)
+    save(report, args.out)
+    rate = args.poisson * len(reqs) / report["all_at_once"]["seconds"]
+    rng = random.Random(args.seed + 1)
+    arrivals, t = [], 0.0
+    for _ in reqs:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    report["poisson"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, cb_kw, device))
+    print("poisson", report["poisson"], flush=True)
+    save(report, args.out)
+    static = []
+    for b in map(int, args.static_batches.split(",")):
+        try:
+            static.append(run_static(model, reqs[:args.static_requests], b, device))
+        except torch.OutOfMemoryError:
+            static.append(dict(batch=b, error="out of memory"))
+            torch.cuda.empty_cache()
+        print("static", static[-1], flush=True)
+        report["static"] = static
+        save(report, args.out)
+    report["static"] = static
+    best = max((s for s in static if "tokens_per_s" in s), key=lambda s: s["tokens_per_s"])
+    report["speedup_all_at_once_vs_best_static"] = report["all_at_once"]["tokens_per_s"] / best["tokens_per_s"]
+    report["wall_s"] = time.perf_counter() - t_start
+    print(json.dumps(report, indent=1))
+    save(report, args.out)
+
+
+def save(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

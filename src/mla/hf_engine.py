@@ -1,0 +1,234 @@
+"""mla.hf_engine: transformers' own continuous batching on mla's paged latent cache.
+
+``enable(handle)`` (beside ``mla.hf.patch``) makes a patched model servable by transformers'
+engine: ``model.generate_batch(...)``, the manager of ``model.init_continuous_batching()`` (add
+requests, stream, cancel) and ``transformers serve`` with continuous batching, which runs on it.
+
+Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
+
+- the engine schedules (FIFO, chunked prefill under ``max_batch_tokens``, decode) and owns the
+  blocks: its ``BlockManager`` allocates them, hashes full blocks for prefix sharing
+  (``allow_block_sharing``), forks them for ``num_return_sequences``;
+- ``LatentCache``, the engine's cache here, stores one latent row a token and layer (576 values
+  for DeepSeek-V3, in a ``PagedLatentCache``) instead of expanded K/V, and sizes the pool from
+  that row: the same memory holds ``H * (dn + dr + dv) / (r + dr)`` times more tokens (71x for
+  DeepSeek-V3's 128 heads);
+- each forward of the engine, the patch's pre-hook asks ``LatentCache.step`` for the step: the
+  engine's block tables and write index (its slot mapping) become one ``mla.Batch``
+  (``PagedLatentCache.batch_from_tables``) that every MLA layer reads; pure decode steps replay
+  each layer's ``mla.StepGraph`` (CUDA), everything else runs eagerly.
+
+Admission never evicts: a request is admitted only when the pool holds its whole life (prompt +
+``max_new_tokens``) beside what the admitted requests may still grow to, so a running request
+never starves and the engine's offloading never runs. A request that does not fit now waits; one
+that can never fit (more blocks than the pool, or past ``max_position_embeddings``) is refused
+with ``RequestRefused`` (a ValueError) when it is added.
+
+One patched model serves one thing at a time: while a manager runs, the patch's plain
+``generate`` must not (both drive the same stand-ins).
+
+Where the engine is not extended but configured: its own CUDA graphs, torch.compile paths, async
+double-buffering, decode fast path (a flash-attention block table) and CPU offloading assume K/V
+tensors and a step re-run from captured inputs; they are refused when asked for and off
+otherwise (docs/serving.md says why, one by one).
+"""
+from __future__ import annotations
+
+import copy
+
+from .hf import PatchHandle, _Step
+from .hf_engine_cache import LatentCache, RequestRefused, pool_blocks
+
+from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager, ContinuousBatchProcessor)
+from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+
+__all__ = ["enable", "Engine", "LatentBatchingManager", "LatentCache", "RequestRefused", "ATTENTION", "pool_blocks"]
+
+# The attention implementation the engine's model runs under: a paged name, so the engine builds
+# no attention mask (its size is max_batch_tokens x the whole pool), and one no module calls:
+# the MLA modules are mla's stand-ins, which never reach transformers' attention functions.
+ATTENTION = "paged|mla_latent"
+# What the engine's own paths need that a latent cache does not provide (docs/serving.md)
+_REFUSED = dict(use_cuda_graph="its graphs capture the model's forward, whose mla step is planned on the host",
+                use_async_batching="it prepares step N+1 while step N runs; mla plans a step from the engine's "
+                                   "calls for that step",
+                varlen_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
+                decode_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
+                cpu_offload_space="admission reserves every request's blocks, so nothing is ever offloaded")
+
+
+def _never_called(*args, **kwargs):
+    raise ValueError(f"attn_implementation: {ATTENTION!r} serves only mla's MLA stand-ins (mla.hf_engine); a "
+                     "module of this model called it, which mla does not serve")
+
+
+def enable(handle: PatchHandle, *, graphs: bool | None = None) -> "Engine":
+    """Serve ``handle.model`` (patched by ``mla.hf.patch``) through transformers' continuous
+    batching: after this, ``model.generate_batch``, ``model.init_continuous_batching`` and
+    ``transformers serve`` run on a latent cache. ``graphs``: replay pure decode steps from
+    CUDA graphs (one ``mla.StepGraph`` a layer); None: on a GPU, for families without a sparse
+    indexer (as ``patch``). Returns the ``Engine``; ``engine.disable()`` (or ``handle.unpatch()``
+    then a new patch) restores the model's own method.
+    Raises ValueError for a model enabled already, or a family whose other layers keep state the
+    engine cannot page (Kimi Linear's and GLM-5.3-Flash's linear attention)."""
+    return Engine(handle, graphs=graphs)
+
+
+class Engine:
+    """The link between one patched model and the engine's managers it creates."""
+
+    def __init__(self, handle: PatchHandle, *, graphs: bool | None):
+        if not isinstance(handle, PatchHandle):
+            raise ValueError(f"handle: expected the PatchHandle of mla.hf.patch, got {type(handle).__name__}")
+        model = handle.model
+        if handle.engine_step is not None or "init_continuous_batching" in vars(model):
+            raise ValueError("handle: expected a patched model not enabled yet, got one enabled already")
+        if handle.model_type in ("kimi_linear", "glm5_next_text", "glm5_next"):
+            raise ValueError(f"handle: {handle.model_type!r} has linear-attention layers whose recurrent state the "
+                             "engine's paged cache cannot hold; continuous batching serves all-MLA models")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
+        self.handle, self.model = handle, model
+        self.graphs = graphs
+        AttentionInterface.register(ATTENTION, _never_called)   # a new name: nothing of transformers changes
+        model.init_continuous_batching = self.init_continuous_batching   # this instance only
+        handle.engine_step = self._plan
+
+    def disable(self) -> None:
+        """Give the model its own ``init_continuous_batching`` back."""
+        vars(self.model).pop("init_continuous_batching", None)
+        self.handle.engine_step = None
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
+                                 continuous_batching_config: ContinuousBatchingConfig | None = None,
+                                 workload_hints=None) -> "LatentBatchingManager":
+        """``model.init_continuous_batching`` for the patched model: the same arguments and result
+        (a ``ContinuousBatchingManager``), on a latent cache. Raises ValueError for options the
+        latent cache refuses (module docstring) and, given workload hints (``generate_batch``
+        gives them), for a workload whose longest request can never fit."""
+        if not self.handle._swapped:
+            raise ValueError("model: its patch was undone (unpatch); patch it and enable it again")
+        cached = getattr(self.model, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, LatentBatchingManager):
+            cached.use_latent_attention()       # stop() put the model's own implementation back
+            return cached
+        gen = generation_config if generation_config is not None else self.model.generation_config
+        if gen is None:
+            raise ValueError("generation_config: expected one, or the model's, got None")
+        if gen.eos_token_id is None:
+            gen.eos_token_id = -1     # the engine's convention for "no EOS"
+        cb = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+        manager = LatentBatchingManager(self, gen, _latent_config(cb), workload_hints)
+        if workload_hints is not None:
+            manager.check_fits(workload_hints.max_prompt_length, workload_hints.max_generated_length)
+        return manager
+
+    def _plan(self, kwargs) -> _Step:
+        paged = kwargs.get("cache")
+        if not isinstance(paged, LatentCache) or paged.engine is not self:
+            raise ValueError(f"cache: expected the LatentCache of this model's engine, got {type(paged).__name__}")
+        return paged.step(kwargs)
+
+
+def _latent_config(cb: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
+    """A copy of the user's config with the engine's K/V-only paths off; ValueError where one was asked for."""
+    if not isinstance(cb, ContinuousBatchingConfig):
+        raise ValueError(f"continuous_batching_config: expected a ContinuousBatchingConfig, got {type(cb).__name__}")
+    asked = dict(use_cuda_graph=cb.use_cuda_graph not in (None, False, (False, False)),
+                 use_async_batching=bool(cb.use_async_batching), varlen_compile_config=cb.varlen_compile_config,
+                 decode_compile_config=cb.decode_compile_config, cpu_offload_space=cb.cpu_offload_space)
+    for name, value in asked.items():
+        if value:
+            raise ValueError(f"continuous_batching_config.{name}: not with mla's latent cache ({_REFUSED[name]}); "
+                             f"expected it unset, got {getattr(cb, name)!r}")
+    if cb.max_blocks_per_request:
+        raise ValueError("continuous_batching_config.max_blocks_per_request: the decode fast path is flash "
+                         "attention's block table for K/V; mla reads the engine's tables itself. Expected None or 0, "
+                         f"got {cb.max_blocks_per_request}")
+    if cb.default_compile_level:
+        raise ValueError(f"continuous_batching_config.default_compile_level: expected 0 (no torch.compile of the "
+                         f"forward with mla's stand-ins), got {cb.default_compile_level}")
+    cb = copy.deepcopy(cb)
+    cb.use_cuda_graph, cb.use_async_batching, cb.max_blocks_per_request = False, False, 0
+    return cb
+
+
+class LatentBatchingManager(ContinuousBatchingManager):
+    """transformers' manager over a ``LatentCache``: the same API (add_request(s), get_result,
+    request_id_iter, register_result_handler, cancel_request, start, stop). Its cache is sized
+    when it is created, so that a request that can never fit is refused when it is added."""
+
+    def __init__(self, engine: Engine, generation_config, continuous_batching_config, workload_hints):
+        self.engine = engine
+        restore = self._latent_attention(engine.model)
+        super().__init__(engine.model, generation_config, continuous_batching_config, workload_hints)
+        self._original_attn_impl = restore          # stop() puts it back
+        self.batch_processor = self._create_batch_processor()
+
+    @staticmethod
+    def _latent_attention(model) -> str | None:
+        """Switch the model to ATTENTION; the implementation to restore, or None."""
+        original = model.config._attn_implementation
+        if original == ATTENTION:
+            return None
+        model.set_attn_implementation(ATTENTION)
+        return original
+
+    def use_latent_attention(self) -> None:
+        """Before a kept manager (``persistent_manager``) serves again."""
+        restore = self._latent_attention(self.model)
+        if restore is not None:
+            self._original_attn_impl = restore
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        processor = getattr(self, "batch_processor", None)
+        if isinstance(processor, ContinuousBatchProcessor):
+            processor.reset()
+            return processor
+        cb = self.continuous_batching_config
+        cache = LatentCache(self.engine, self.model.config.get_text_config(), cb, self.model.device)
+        self._use_prefix_sharing = cache.use_prefix_sharing
+        update_cb_config_after_cache_creation(cb_config=cb, num_blocks=cache.num_blocks,
+                                              max_batch_tokens=cache.max_batch_tokens,
+                                              use_prefix_sharing=cache.use_prefix_sharing)
+        scheduler = SCHEDULER_MAPPING.get(cb.scheduler_type)
+        if scheduler is None:
+            raise ValueError(f"continuous_batching_config.scheduler_type: expected one of {sorted(SCHEDULER_MAPPING)}, "
+                             f"got {cb.scheduler_type!r}")
+        scheduler = scheduler(cache=cache, safety_margin=cb.safety_margin, max_requests_per_batch=cb.max_requests_per_batch)
+        cache.scheduler = scheduler
+        return ContinuousBatchProcessor(
+            cache=cache, config=self.model.config.get_text_config(), generation_config=self.generation_config,
+            continuous_batching_config=cb, logit_processor=self.logit_processor,
+            input_queue=self.input_queue if self.is_tp_driver else None,
+            cancel_queue=self.cancel_queue if self.is_tp_driver else None, output_router=self.output_router,
+            background_thread_status=self.background_thread_status, model_device=self.model.device,
+            model_dtype=self.model.dtype, scheduler=scheduler, distributed_helper=self.distributed_helper)
+
+    @property
+    def cache(self) -> "LatentCache":
+        return self.batch_processor.cache
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
+        """ValueError if a request of prompt_tokens + new_tokens can never fit the cache."""
+        self.cache.check_fits(prompt_tokens, new_tokens)
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        """As transformers' ``add_request``; raises ValueError (before queueing) for a request that
+        can never fit: more blocks than the pool holds, or past max_position_embeddings."""
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if self.batch_processor is None:
+            self.batch_processor = self._create_batch_processor()
+        self.check_fits(len(input_ids), new)
+        return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+
+    def add_requests(self, inputs, max_new_tokens=None, *args, **kwargs):
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        for ids in inputs:
+            self.check_fits(len(ids), new)
+        return super().add_requests(inputs, max_new_tokens, *args, **kwargs)
+
+

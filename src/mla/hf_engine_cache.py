@@ -1,0 +1,245 @@
+"""LatentCache: transformers' continuous-batching cache on latent rows (mla.hf_engine's).
+
+The engine's ``PagedAttentionCache`` stores K and V of ``num_key_value_heads x head_dim`` a
+token and layer; ``LatentCache`` keeps its block bookkeeping (the engine's ``BlockManager`` and
+a ``FullAttentionCacheAllocator``: allocation, prefix hashes, forks) over one
+``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into an
+``mla.Batch`` (``step``), and admits a request only with its whole life reserved, so that no
+running request ever starves and the engine never evicts one (``allocate_blocks``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import PagedLatentCache
+from .graph import DEFAULT_BUCKETS, StepGraph
+from .hf import _Step
+
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_manager import BlockManager, FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
+
+if TYPE_CHECKING:
+    from .hf import PatchHandle
+    from .hf_engine import Engine
+
+__all__ = ["LatentCache", "RequestRefused", "pool_blocks", "DEFAULT_MAX_BATCH_TOKENS"]
+
+DEFAULT_MAX_BATCH_TOKENS = 8192     # the engine's own default
+
+
+class RequestRefused(ValueError):
+    """A request the latent cache can never hold (more blocks than the pool, or past the model's
+    positions); raised before it is queued."""
+
+
+def pool_blocks(cfg, *, num_layers: int, dtype: torch.dtype, vocab_size: int, block_size: int,
+                max_batch_tokens: int, max_workspace_tokens: int, available: int) -> int:
+    """Blocks of latent rows that ``available`` bytes hold beside one step's activations.
+
+    A token costs its latent row in every MLA layer (``kv_lora_rank + qk_rope_head_dim`` values,
+    the indexer's key beside it for sparse families) and the engine's int64 read-index slot; a
+    step's token costs its hidden states, q, expanded k/v and attention output and its float32
+    logits; the expanded prefix rows of ``max_workspace_tokens`` are held at most once."""
+    item = torch.empty((), dtype=dtype).element_size()
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    if cfg.has_indexer:
+        row += cfg.index_row_dim * (item if dtype != torch.float8_e4m3fn else 2)
+    per_token = num_layers * row + 8
+    H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    per_step_token = item * (4 * cfg.hidden_size + H * (2 * dn + dr + 2 * dv)) + 4 * vocab_size + 64
+    workspace = max_workspace_tokens * H * (dn + dv) * item
+    tokens = (available - workspace - max_batch_tokens * per_step_token) // per_token
+    return max(tokens, 0) // block_size
+
+
+class LatentCache(PagedAttentionCache):
+    """The engine's cache on latent rows. transformers' ``PagedAttentionCache.__init__``
+    allocates K and V tensors of ``num_key_value_heads x head_dim`` a token and layer, so this
+    class sets up the same bookkeeping (one full-attention group, the engine's ``BlockManager``
+    and ``FullAttentionCacheAllocator``) over a ``PagedLatentCache`` instead, and overrides the
+    methods that touch storage or the step: ``extend_read_and_write_indices`` (write index only:
+    mla reads the rows through the block table), ``copy_cache`` (forks), and the admission
+    control of ``allocate_blocks`` / ``compute_max_num_forks`` / ``fork_request`` / ``free_blocks``."""
+
+    def __init__(self, engine: Engine, config, continuous_batching_config, device):
+        handle = engine.handle
+        cb, cfg = continuous_batching_config, handle.cfg
+        if cb.block_size < self._min_block_size:
+            raise ValueError(f"continuous_batching_config.block_size: expected >= {self._min_block_size}, "
+                             f"got {cb.block_size}")
+        self.engine, self.config, self.device = engine, config, torch.device(device)
+        self.dtype = handle.cache.dtype
+        self.block_size, self.num_groups = cb.block_size, 1
+        layers = list(range(config.num_hidden_layers))
+        self.sliding_windows = dict.fromkeys(layers, 1)
+        self.layer_index_to_group_indices = {i: (0, i) for i in layers}
+        self.max_batch_tokens, self.num_blocks = self._size(handle, cb)
+        self.num_pages = self.num_blocks * self.block_size
+        self.latent = PagedLatentCache(cfg, num_layers=len(handle.layers), num_blocks=self.num_blocks,
+                                       block_size=self.block_size, dtype=self.dtype, device=self.device)
+        # the engine's view of its storage (it only counts bytes with it: offloading is off): one
+        # "head" of one latent row a token and layer, no values
+        self.num_key_value_heads, self.head_dim = 1, self.latent.kv.shape[-1]
+        self.key_cache, self.value_cache = list(self.latent.kv), []
+        self.read_trash_index = self.num_pages
+        self.sentinel_index = self.num_pages + 1
+        self.write_trash_index = self.num_pages + self.block_size
+        self.allow_block_sharing = self.use_prefix_sharing = cb.allow_block_sharing
+        self.group_cache_managers = [FullAttentionCacheAllocator(0, self.block_size,
+                                                                 allow_block_sharing=cb.allow_block_sharing)]
+        self.num_full_attention_groups, self.num_sliding_attention_groups = 1, 0
+        self.max_sliding_window_blocks_per_request = 0
+        self.max_blocks_per_request = 0
+        self._block_manager = BlockManager(self.num_blocks, self.block_size, tp_on=False)
+        self._total_prefix_length = 0
+        self._block_table_key = None
+        self.scheduler = None                  # set by the manager: admission reads the requests' budgets
+        self._reserved: dict[str, int] = {}    # admitted request -> blocks it may still allocate
+        self._step: list[tuple[str, int, int]] = []   # (request, cached, new) of the step being prepared
+        self.graphs = self._graphs(engine, handle)
+
+    # ---- sizing -----------------------------------------------------------------------------
+
+    def _size(self, handle: PatchHandle, cb) -> tuple[int, int]:
+        """(max_batch_tokens, num_blocks): the given ones, or the pool that ``max_memory_percent``
+        of the free memory holds (``pool_blocks``), as the engine sizes its own."""
+        M = cb.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        if cb.num_blocks is not None:
+            return M, cb.num_blocks
+        _, total, reserved, allocated = get_device_and_memory_breakdown()
+        available = int((total - max(allocated, reserved)) * (cb.max_memory_percent or 0.9))
+        blocks = pool_blocks(handle.cfg, num_layers=len(handle.layers), dtype=handle.cache.dtype,
+                             vocab_size=self.config.vocab_size, block_size=self.block_size, max_batch_tokens=M,
+                             max_workspace_tokens=handle.layers[0].max_workspace_tokens, available=available)
+        if blocks < 1:
+            raise ValueError(f"continuous_batching_config: {available} bytes available hold no block of "
+                             f"{self.block_size} latent rows beside max_batch_tokens={M}; lower max_batch_tokens or "
+                             "raise max_memory_percent")
+        return M, blocks
+
+    def _graphs(self, engine: Engine, handle: PatchHandle) -> list[StepGraph] | None:
+        on = engine.graphs
+        if on is None:
+            on = self.device.type == "cuda" and not handle.cfg.has_indexer
+        if not on:
+            return None
+        width = min(self.num_blocks, -(-handle.cfg.max_position_embeddings // self.block_size))
+        buckets = tuple(b for b in DEFAULT_BUCKETS + (256,) if b <= max(self.max_batch_tokens, 1))
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        return [StepGraph(layer, self.latent, max_blocks_per_seq=width, dtype=layer.dtype, buckets=buckets,
+                          pool=pool) for layer in handle.layers]
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
+        """ValueError if a request of prompt_tokens + new_tokens can never be admitted."""
+        new = new_tokens or 0
+        limit = self.engine.handle.cfg.max_position_embeddings
+        if prompt_tokens + new > limit:
+            raise RequestRefused(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} exceed the model's "
+                             f"max_position_embeddings={limit}")
+        if self._lifetime_blocks(prompt_tokens, new) > self.num_blocks:
+            raise RequestRefused(f"input_ids: {prompt_tokens} prompt tokens + max_new_tokens={new} need "
+                             f"{self._lifetime_blocks(prompt_tokens, new)} blocks of {self.block_size} tokens, more "
+                             f"than the cache's {self.num_blocks}; the request can never fit")
+
+    def _lifetime_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
+        # rows written: the prompt and every generated token but the last; +1: the engine's
+        # scheduler allocates up to one block ahead
+        return -(-(prompt_tokens + max(new_tokens - 1, 0)) // self.block_size) + 1
+
+    # ---- admission: a request is admitted with its whole life reserved ----------------------
+
+    def _state(self, request_id: str):
+        s = self.scheduler
+        return s.active_requests.get(request_id) or s.waiting_requests.get(request_id)
+
+    def _headroom(self) -> int:
+        return self.get_num_free_blocks() - sum(self._reserved.values())
+
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
+        if request_id not in self._reserved:
+            state = self._state(request_id)
+            if state is None:
+                raise ValueError(f"request_id: {request_id!r} is not a request of the engine's scheduler")
+            need = self._lifetime_blocks(len(state.initial_tokens), state.max_new_tokens or 0) - allocated_blocks
+            if max(need, n_blocks) > self._headroom():
+                return None                    # waits: the admitted requests keep their blocks
+            self._reserved[request_id] = max(need, n_blocks)
+        got = super().allocate_blocks(n_blocks, request_id, allocated_blocks)
+        if got is not None:
+            self._reserved[request_id] = max(self._reserved[request_id] - got, 0)
+        return got
+
+    def free_blocks(self, request_id: str) -> None:
+        self._reserved.pop(request_id, None)
+        super().free_blocks(request_id)
+
+    def compute_max_num_forks(self, source_request_id: str) -> int:
+        per_child = self._fork_cost(source_request_id)
+        return self._headroom() // per_child if per_child else 2 ** 31
+
+    def _fork_cost(self, source_request_id: str) -> int:
+        """Blocks a child of the source takes: copies of its unshareable blocks and its own future growth."""
+        blocks = self.group_cache_managers[0].block_table[source_request_id]
+        shared = 0
+        if self.group_cache_managers[0].uses_block_sharing:
+            for b in blocks:
+                if not self._block_manager._id_to_block[b].is_complete:
+                    break
+                shared += 1
+        return len(blocks) - shared + self._reserved.get(source_request_id, 0)
+
+    def fork_request(self, source_request_id: str, destination_request_ids: list[str]):
+        grow = self._reserved.get(source_request_id, 0)
+        out = super().fork_request(source_request_id, destination_request_ids)
+        for child in destination_request_ids:
+            self._reserved[child] = grow
+        return out
+
+    def copy_cache(self, list_source_blocks: list[int], list_forked_blocks: list[int]) -> None:
+        src = torch.tensor(list_source_blocks, device=self.device)
+        dst = torch.tensor(list_forked_blocks, device=self.device)
+        self.latent.kv[:, dst] = self.latent.kv[:, src]
+        if self.latent.index_kv is not None:
+            self.latent.index_kv[:, dst] = self.latent.index_kv[:, src]
+
+    def free_all_requests(self) -> None:
+        super().free_all_requests()
+        self._reserved.clear()
+        self._step = []
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        """The engine's call for each request of the step, in order: its write index (the slots
+        of the new tokens) as the engine computes it, and the request noted for ``step``. No
+        read index: mla reads the latent rows through the block table."""
+        write_index[0].extend(self.group_cache_managers[0].get_write_indices(request_id, past_length, query_length))
+        self._step.append((request_id, past_length, query_length))
+
+    def fill_block_table(self, request_id, past_length, query_length, block_table) -> None:
+        raise ValueError("max_blocks_per_request: the decode fast path is off with mla's latent cache")
+
+    def update(self, *args, **kwargs):
+        raise ValueError("the latent cache holds no K/V: only mla's MLA stand-ins run on it")
+
+    def step(self, kwargs) -> _Step:
+        """The patch's step for the engine's forward ``kwargs``: the requests the engine prepared
+        since the last forward, their block tables and the engine's write index as one Batch."""
+        reqs, self._step = self._step, []
+        T = kwargs["input_ids"].shape[-1]
+        if sum(n for _, _, n in reqs) != T:
+            raise ValueError(f"input_ids: {T} tokens, expected the {sum(n for _, _, n in reqs)} of the requests the "
+                             "engine prepared for this step")
+        tables = [self.group_cache_managers[0].block_table[r] for r, _, _ in reqs]
+        write_index = kwargs["write_index"][0][:T]
+        if self.device.type == "cuda":
+            # the engine fills its index tensors on the default stream and runs the forward on
+            # its compute stream: order the two before the layers read the write index
+            torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
+        batch = self.latent.batch_from_tables(reqs, tables, write_index)
+        layers = self.engine.handle.layers
+        runners = self.graphs if self.graphs is not None and self.graphs[0].fits(batch) else layers
+        return _Step(batch, None, False, runners=runners)

@@ -1,0 +1,250 @@
+"""mla.hf_engine: transformers' continuous batching (generate_batch, the manager) on the latent
+cache gives every request the tokens transformers' own ``generate`` gives that prompt alone.
+
+Tiny random float32 models of tests/test_hf_patch.py on CPU (identical tokens expected). Every
+test records the steps the engine ran (through ``handle.engine_step``) to check what it claims
+about them: mixed prefill + decode steps, chunked prefills, shared prefixes, and that no request
+ever lost its rows (each request's steps continue where its last one ended).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla
+import mla.hf_engine
+from test_hf_patch import CASES as PATCH_CASES, make_model
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+BLOCK = 4
+# every exact and sparse family the patch serves, and DeepSeek-V2-Lite; Kimi Linear and GLM-5.3-Flash
+# are refused (their linear-attention layers keep a state the engine's cache cannot page)
+LINEAR = ("kimi_linear", "glm5_next_text")
+CASES = {**{c: {} for c in PATCH_CASES if c not in LINEAR}, "deepseek_v2_lite": dict(q_lora_rank=None)}
+
+
+def family(case: str) -> str:
+    return "deepseek_v2" if case == "deepseek_v2_lite" else case
+
+
+def prompts(lengths, seed: int, vocab: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model, prompt, new_tokens: int, **kw):
+    """transformers' own greedy generate of one prompt alone (unpatched)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+class Steps:
+    """Records each engine step's (request, cached, new) rows."""
+
+    def __init__(self, handle):
+        self.steps, self.graphed, plan = [], [], handle.engine_step
+
+        def recording(kwargs):
+            step = plan(kwargs)
+            b = step.batch
+            self.steps.append(list(zip(b.seq_ids, b.num_cached, b.num_new)))
+            self.graphed.append(all(type(r).__name__ == "StepGraph" for r in step.runners))
+            return step
+        handle.engine_step = recording
+
+    def check_continuous(self):
+        """Each request's rows continue its last step's: nothing was dropped and recomputed."""
+        end = {}
+        for step in self.steps:
+            for rid, c, n in step:
+                assert rid not in end or c == end[rid], (rid, c, end[rid])
+                end[rid] = c + n
+
+    def kinds(self):
+        """Per step: the set of 'prefill' (c == 0), 'chunk' (c > 0, n > 1), 'decode' (n == 1, c > 0) rows."""
+        return [{"prefill" if c == 0 else "decode" if n == 1 else "chunk" for _, c, n in s} for s in self.steps]
+
+
+def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
+    model = make_model(family(case), **CASES[case])
+    ps = prompts(lengths, seed)
+    refs = [reference(model, p, new_tokens) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle, graphs=graphs)
+    steps = Steps(handle)
+    config = ContinuousBatchingConfig(**{"block_size": BLOCK, "num_blocks": 64, "max_batch_tokens": 16, **cb})
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1),
+                               continuous_batching_config=config)
+    return model, handle, refs, out, steps
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_batch_matches_generate(case):
+    """Six prompts (one longer than max_batch_tokens): each request's greedy tokens are generate's;
+    the engine mixed prefills, a chunked prefill and decodes in its steps."""
+    model, handle, refs, out, steps = serve(case, [7, 20, 5, 11, 3, 9])
+    assert [o.generated_tokens for o in out.values()] == refs
+    assert all(o.error is None for o in out.values())
+    kinds = steps.kinds()
+    assert any({"prefill", "decode"} <= k or {"chunk", "decode"} <= k for k in kinds), kinds
+    assert any("chunk" in k for k in kinds), kinds
+    steps.check_continuous()
+
+
+def test_decode_steps_on_step_graphs():
+    """graphs=True: pure decode steps run each layer's StepGraph (eagerly on CPU, the same static
+    buffers a CUDA graph replays), with generate's tokens."""
+    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5], graphs=True)
+    assert [o.generated_tokens for o in out.values()] == refs
+    decode = [k == {"decode"} for k in steps.kinds()]
+    assert sum(decode) >= 4 and steps.graphed == decode
+
+
+@pytest.mark.parametrize("case", LINEAR)
+def test_linear_attention_families_refused(case):
+    handle = mla.hf.patch(make_model(case), num_blocks=16, block_size=BLOCK)
+    with pytest.raises(ValueError, match="linear-attention"):
+        mla.hf_engine.enable(handle)
+
+
+def test_waits_never_evicts():
+    """A pool of 10 blocks (40 tokens) holds one request's life at a time (~27 tokens): the others
+    wait, none loses rows, all get generate's tokens, and the pool is whole at the end."""
+    model, handle, refs, out, steps = serve("deepseek_v3", [14, 12, 15, 13], new_tokens=12, num_blocks=10)
+    assert [o.generated_tokens for o in out.values()] == refs
+    steps.check_continuous()
+    at_once = max(len({rid for rid, _, _ in s}) for s in steps.steps)
+    assert at_once == 1
+
+
+def test_never_fits_is_refused():
+    model = make_model("deepseek_v3")
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
+    small = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=4, max_batch_tokens=16)
+    with pytest.raises(ValueError, match="can never fit"):
+        model.generate_batch(prompts([6, 14], 0), gen, continuous_batching_config=small)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate_batch(prompts([60], 0), gen, continuous_batching_config=ContinuousBatchingConfig(
+            block_size=BLOCK, num_blocks=64))
+    manager = model.init_continuous_batching(gen, small)
+    with pytest.raises(ValueError, match="can never fit"):
+        manager.add_request(prompts([14], 1)[0])
+    for bad in (dict(use_cuda_graph=True), dict(use_async_batching=True), dict(max_blocks_per_request=8),
+                dict(cpu_offload_space=1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            model.init_continuous_batching(gen, ContinuousBatchingConfig(**bad))
+
+
+def test_manager_stream_cancel_and_prefix_sharing():
+    """The manager: a request streams token by token; a second request sharing its 12-token prefix
+    starts from the 3 blocks the first one filled (latent rows shared, not recomputed) and gets
+    generate's tokens; a cancelled request ends and frees its blocks while another completes."""
+    model = make_model("deepseek_v3")
+    base = prompts([12], 3)[0]
+    a, b = base + [1, 2, 3], base + [4, 5]
+    long = prompts([9], 4)[0]
+    refs = [reference(model, p, 8) for p in (a, b)] + [reference(model, long, 20)]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    steps = Steps(handle)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
+    cache = manager.cache
+    manager.start()
+    try:
+        rid = manager.add_request(a, streaming=True)
+        seen = [len(o.generated_tokens) for o in manager.request_id_iter(rid)]
+        assert seen[-1] == 8 and len(seen) >= 2, seen
+        rid_b = manager.add_request(b)
+        out_b = next(o for o in manager.request_id_iter(rid_b) if o.is_finished())
+        assert out_b.generated_tokens == refs[1]
+        first_b = next(s for s in steps.steps if any(r == rid_b for r, _, _ in s))
+        assert [(c, n) for r, c, n in first_b if r == rid_b] == [(12, 2)]
+        assert cache._total_prefix_length >= 12
+
+        victim = manager.add_request(long, max_new_tokens=20, streaming=True)
+        keep = manager.add_request(long, max_new_tokens=20)
+        for o in manager.request_id_iter(victim):
+            if len(o.generated_tokens) >= 2:
+                manager.cancel_request(victim)
+                break
+        out_keep = next(o for o in manager.request_id_iter(keep) if o.is_finished())
+        assert out_keep.generated_tokens == refs[2]
+        assert victim not in manager.batch_processor.scheduler.active_requests
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert cache.get_num_free_blocks() == cache.num_blocks and not cache._reserved
+    steps.check_continuous()
+
+
+def test_stop_tokens_sampling_and_num_return_sequences():
+    """An EOS ends a request where generate ends it; top_k=1 sampling is greedy; three returned
+    sequences of one prompt (forks of its blocks; transformers samples them, top_k=1 here) each
+    carry generate's greedy tokens."""
+    model = make_model("deepseek_v3")
+    ps = prompts([7, 10], 5)
+    refs = [reference(model, p, 8) for p in ps]
+    at = next(i for i in range(2, 8) if refs[0][i] not in refs[0][:i])
+    eos = refs[0][at]
+    stopped = [reference(model, p, 8, eos_token_id=eos, pad_token_id=0) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=eos),
+                               continuous_batching_config=cb)
+    got = [o.generated_tokens for o in out.values()]
+    want = [s[:s.index(eos) + 1] if eos in s else s for s in stopped]
+    assert got == want and len(got[0]) == at + 1
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=-1),
+                               continuous_batching_config=cb)
+    assert [o.generated_tokens for o in out.values()] == refs
+    # generate_batch returns the parent requests only: the manager hands out every sequence
+    manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=8, do_sample=True, top_k=1,
+                                                              eos_token_id=-1, num_return_sequences=3), cb)
+    manager.start()
+    try:
+        manager.add_request(ps[0])
+        outs = [manager.get_result(timeout=30) for _ in range(3)]
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert sorted(o.request_id for o in outs) == ["req_0", "req_0__child#0", "req_0__child#1"]
+    assert all(o.generated_tokens == refs[0] for o in outs), outs
+
+
+def test_persistent_manager_serves_again():
+    """generate_batch(persistent_manager=True) keeps the manager and its latent pool; the second
+    call reuses them, on the latent attention again, and the model's own is back after each."""
+    model = make_model("deepseek_v3")
+    ps = prompts([6, 9], 7)
+    refs = [reference(model, p, 6) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
+    first = model.generate_batch(ps, gen, continuous_batching_config=cb, persistent_manager=True)
+    kept = model._cached_continuous_batching_manager
+    assert model.config._attn_implementation == "eager"
+    second = model.generate_batch(ps[::-1], gen, continuous_batching_config=cb, persistent_manager=True)
+    assert model._cached_continuous_batching_manager is kept
+    assert [o.generated_tokens for o in first.values()] == refs
+    assert [o.generated_tokens for o in second.values()] == refs[::-1]
+    assert model.config._attn_implementation == "eager"
+    model.destroy_cached_continuous_batching_manager()
+
+
+def test_pool_sized_by_latent_rows():
+    """DeepSeek-V3 (61 layers, 128 heads): the memory that holds N expanded K/V tokens holds ~71x
+    more latent rows; the step's activations and workspace come off first."""
+    cfg = mla.MLAConfig.preset("deepseek-v3")
+    kw = dict(num_layers=61, dtype=torch.bfloat16, vocab_size=129280, block_size=64, max_batch_tokens=8192,
+              max_workspace_tokens=65536)
+    available = 100 * 2 ** 30
+    blocks = mla.hf_engine.pool_blocks(cfg, available=available, **kw)
+    expanded = 61 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 2
+    latent = 61 * 576 * 2 + 8
+    fixed = 65536 * 128 * 256 * 2 + 8192 * (2 * (4 * 7168 + 128 * (256 + 64 + 256)) + 4 * 129280 + 64)
+    assert blocks == (available - fixed) // latent // 64
+    assert blocks * 64 > 60 * (available - fixed) // expanded
+    assert mla.hf_engine.pool_blocks(cfg, available=fixed, **kw) == 0
