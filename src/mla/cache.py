@@ -176,6 +176,37 @@ class PagedLatentCache:
         """Reserve slots for one step: ``requests`` is [(seq_id, num_new_tokens), ...] in the
         order of the rows of hidden_states. Unknown seq_ids start empty. Returns the Batch."""
         reqs = self._check_requests(requests)
+        self._reserve(reqs)
+        return self._build_batch(reqs)
+
+    def append_tokens(self, seq_ids: Iterable[Hashable]) -> list[int]:
+        """Reserve one new token for each sequence, as ``prepare([(seq, 1), ...])`` does, and
+        return each token's cache slot (block * block_size + offset) without building a Batch:
+        for a caller that packs a pure decode step's metadata itself (``mla.hf``'s whole-model
+        decode step), whose host work each step is then a few list operations a sequence.
+        Every sequence must exist; without Helix CP only (a CP rank stores a token or not)."""
+        if self.cp_size > 1:
+            raise ValueError(f"seq_ids: append_tokens serves cp_size 1, the cache has cp_size {self.cp_size}; "
+                             "use prepare")
+        try:
+            seqs = list(seq_ids)
+        except TypeError:
+            raise ValueError(f"seq_ids: expected an iterable of sequence ids, got {type(seq_ids).__name__}") from None
+        for s in seqs:
+            self._require(s, "seq_ids")
+        reqs = self._check_requests([(s, 1) for s in seqs])
+        self._reserve(reqs)
+        bs = self.block_size
+        slots = []
+        for s in seqs:
+            p = self._lengths[s] - 1
+            slots.append(self._blocks[s][p // bs] * bs + p % bs)
+        return slots
+
+    def _reserve(self, reqs: list[tuple[Hashable, int]]) -> None:
+        """prepare's bookkeeping: blocks for the new tokens (copy-on-write of a shared partly
+        filled last block), the new lengths; CacheFullError, changing nothing, when the pool
+        cannot hold them."""
         need, copied = 0, {}   # copied: shared block -> copies counted so far (the last writer keeps it)
         for seq, n in reqs:
             old = self._lengths.get(seq, 0)
@@ -199,7 +230,6 @@ class PagedLatentCache:
                 blocks.append(self._alloc())
             self._lengths[seq] = old + n
             self._changed(seq)
-        return self._build_batch(reqs)
 
     def fork(self, src_seq_id: Hashable, dst_seq_id: Hashable) -> None:
         """dst shares all of src's tokens; a partly filled last block is copied on its first write."""
