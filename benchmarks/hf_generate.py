@@ -122,8 +122,9 @@ def host_and_replay(model, handle, ids, mask, new: int) -> tuple[float, float]:
 
 
 def explain(model, prompt: int) -> None:
-    """Batch 1: the split counts of the decode kernel at the eager layer path's table width (the
-    sequence's own blocks) and at the static step's (the pool's), and one layer's output at both."""
+    """Batch 1: one layer's decode output on its own block table (the eager layer path's: the
+    sequence's blocks) against the static step's on tables of that width and wider (the static
+    step's: the pool's), and the decode kernel's split count at each width."""
     from mla.ops.decode.gluon.common import default_splits
     cfg = mla.hf.patch_config(model)
     cache = mla.PagedLatentCache(cfg, num_layers=1, num_blocks=64, block_size=64, dtype=torch.bfloat16,
@@ -137,14 +138,17 @@ def explain(model, prompt: int) -> None:
     batch = cache.prepare([("s", 1)])
     x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
     own = layer(x, batch)
-    wide = mla.StepGraph(layer, cache, max_blocks_per_seq=64, dtype=torch.bfloat16, cuda_graphs=False)
-    cache.truncate("s", prompt)
-    padded = wide(x, cache.prepare([("s", 1)]))
     rows = cfg.num_heads
-    for width in (batch.block_table.shape[1], 64):
-        print(f"  table {width} blocks ({width * 64} keys): {default_splits(1, rows, width * 64, x.device)} splits")
-    print(f"  one layer's output, own table against the padded one: max |diff| "
-          f"{(own.float() - padded.float()).abs().max().item():.3g} (values ~{own.float().abs().mean().item():.3g})")
+    width = batch.block_table.shape[1]
+    print(f"  table {width} blocks ({width * 64} keys, the layer's own): "
+          f"{default_splits(1, rows, width * 64, x.device)} splits")
+    for wide in (width, width + 2, 64):
+        graph = mla.StepGraph(layer, cache, max_blocks_per_seq=wide, dtype=torch.bfloat16, cuda_graphs=False)
+        cache.truncate("s", prompt)
+        out = graph(x, cache.prepare([("s", 1)]))
+        print(f"  table {wide} blocks ({wide * 64} keys): {default_splits(1, rows, wide * 64, x.device)} splits; "
+              f"the layer's output against its own table's: max |diff| {(out.float() - own.float()).abs().max().item():.3g}"
+              f" (mean |value| {own.float().abs().mean().item():.3g})")
 
 
 def main() -> int:
