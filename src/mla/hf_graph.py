@@ -48,10 +48,10 @@ class DecodeStep:
         step, run eagerly)."""
         self.handle, self.width = handle, width
         cache = handle.cache
-        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int64,
+        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32,
                                input_shape=(TABLE + width,), cuda_graphs=cuda_graphs)
         self.max_rows = self.graph.buckets[-1]
-        self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int64)
+        self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int32)   # int32: the transfer half as large
         self._host_t = torch.from_numpy(self._host)
         self._row_seqs: list = []         # the sequence whose table row _host holds, per row
         self._dirty = True                # rows to rebuild from the cache (after any change but a step)
