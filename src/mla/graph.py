@@ -179,7 +179,8 @@ class StepGraph:
     @torch.no_grad()
     def run_packed(self, x: torch.Tensor, num_seqs: int):
         """A step whose metadata travels in x itself: x [num_seqs * s_q, *input_shape] (on the
-        cache's device, or on the CPU: then copied in one transfer) goes into the first rows of
+        cache's device, or on the CPU: then copied in one asynchronous transfer, so pinned
+        memory must stay as it is until the stream has run the copy) goes into the first rows of
         the input buffer, the rows after them are zero, and the bucket's graph replays (on CPU,
         or with ``cuda_graphs=False``, step_fn runs eagerly on the buffers). step_fn fills the
         static batch's tensors from its x (inside the graph) and must treat an all-zero row as
@@ -201,7 +202,7 @@ class StepGraph:
         if self._replay and n not in self._graphs:
             self._capture(n)
         self._pad(num_seqs)
-        self._x[:T].copy_(x, non_blocking=True)    # from pageable memory: staged before the call returns
+        self._x[:T].copy_(x, non_blocking=True)
         self._rows = num_seqs
         return self._launch(n, T)
 

@@ -35,7 +35,8 @@ from .graph import StepGraph
 
 __all__ = ["DecodeStep"]
 
-POSITION, SLOT, LENGTH, TABLE = range(4)   # the packed row's columns; TABLE.. the block table
+POSITION, SLOT, LENGTH, TABLE = range(4)
+RING = 4   # pinned staging buffers of the rows   # the packed row's columns; TABLE.. the block table
 
 
 class DecodeStep:
@@ -53,6 +54,13 @@ class DecodeStep:
         self.max_rows = self.graph.buckets[-1]
         self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int32)   # int32: the transfer half as large
         self._host_t = torch.from_numpy(self._host)
+        # pinned copies of the rows for the transfer, a ring: each is written again only after
+        # the step that read it (RING steps back, long done) has run, so the copy is
+        # asynchronous and the host waits for nothing
+        on_gpu = cache.device.type == "cuda"
+        self._staging = [torch.empty_like(self._host_t).pin_memory() for _ in range(RING)] if on_gpu else []
+        self._copied = [torch.cuda.Event() for _ in range(RING)] if on_gpu else []
+        self._turn = 0
         self._row_seqs: list = []         # the sequence whose table row _host holds, per row
         self._dirty = True                # rows to rebuild from the cache (after any change but a step)
         self._stub = torch.zeros(1, dtype=torch.uint8, device=cache.device)
@@ -110,7 +118,15 @@ class DecodeStep:
             host[b, SLOT] = slots[b] + 1
             host[b, LENGTH] = p + 1
         self._tokens[:B].copy_(input_ids.view(B, 1))   # rows past B keep earlier ids: padding, dropped
-        return self.graph.run_packed(self._host_t[:B], B).unsqueeze(1)
+        if not self._staging:
+            return self.graph.run_packed(self._host_t[:B], B).unsqueeze(1)
+        k = self._turn = (self._turn + 1) % RING
+        self._copied[k].synchronize()                  # returns at once: that step ran long ago
+        rows = self._staging[k][:B]
+        rows.copy_(self._host_t[:B])
+        out = self.graph.run_packed(rows, B)
+        self._copied[k].record()
+        return out.unsqueeze(1)
 
     def set_lengths(self, past_cache, layer_ids, B: int, length: int) -> None:
         """transformers' Cache: every MLA layer's keys and values a [B, 1, length, 1] view of one
