@@ -24,6 +24,7 @@ graphs against eager), the patch's host time a decode step (``model.forward`` of
 step: the packing, the one transfer, the replay's launch), and the graph's replay alone
 (CUDA events, 20 replays) against the step time generate gives.
 
+--host prints only the patch's host time a graphed step, in parts (no transformers run).
 --explain also prints, at batch 1, the decode split counts of the table widths the eager
 layer path and the static step use, and how far one layer's output moves between them.
 """
@@ -130,6 +131,50 @@ def host_and_replay(model, handle, ids, mask, new: int) -> tuple[float, float]:
     return 1e6 * sum(times[1:]) / max(len(times) - 1, 1), start.elapsed_time(end) / 20
 
 
+def host_breakdown(model, B: int, prompt: int, new: int) -> None:
+    """The patch's host time a graphed decode step, median and mean over one generate, split
+    into its parts; and the garbage collections that fell in that generate (a collection is a
+    host pause of its own, counted in whatever step it falls in)."""
+    import gc
+    import statistics
+    from mla.hf_graph import DecodeStep
+
+    parts = {"patch": [], "DecodeStep call": [], "run_packed": [], "append_tokens": [], "set_lengths": []}
+
+    def timing(name, fn):
+        def wrapped(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            parts[name].append(time.perf_counter() - t)
+            return out
+        return wrapped
+    g = torch.Generator(device="cuda").manual_seed(B)
+    ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    with mla.hf.patch(model, num_blocks=B * ((prompt + new) // 64 + 2), block_size=64, graphs=True) as handle:
+        timed_generate(model, ids, mask, new)                        # captures
+        saved = (DecodeStep.__call__, DecodeStep.set_lengths, mla.PagedLatentCache.append_tokens,
+                 mla.StepGraph.run_packed)
+        handle._decode_step = timing("patch", handle._decode_step)
+        DecodeStep.__call__ = timing("DecodeStep call", saved[0])
+        DecodeStep.set_lengths = timing("set_lengths", saved[1])
+        mla.PagedLatentCache.append_tokens = timing("append_tokens", saved[2])
+        mla.StepGraph.run_packed = timing("run_packed", saved[3])
+        collections = []
+        gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+        try:
+            timed_generate(model, ids, mask, new)
+        finally:
+            gc.callbacks.pop()
+            (DecodeStep.__call__, DecodeStep.set_lengths, mla.PagedLatentCache.append_tokens,
+             mla.StepGraph.run_packed) = saved
+            del handle._decode_step
+    print(f"  B {B}: host us a decode step, median / mean: " + ", ".join(
+        f"{k} {1e6 * statistics.median(v[1:]):.0f} / {1e6 * statistics.mean(v[1:]):.0f}" for k, v in parts.items()
+        if len(v) > 1) + f"; garbage collections in the generate (generation: count) "
+        f"{ {k: collections.count(k) for k in sorted(set(collections))} }", flush=True)
+
+
 def explain(model, prompt: int) -> None:
     """Batch 1: one layer's decode output on its own block table (the eager layer path's: the
     sequence's blocks) against the static step's on tables of that width and wider (the static
@@ -169,6 +214,7 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="transformers with its dynamic cache, eagerly")
     p.add_argument("--explain", action="store_true")
+    p.add_argument("--host", action="store_true", help="only the patch's host time a step, in parts")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("hf_generate: needs a CUDA GPU")
@@ -177,6 +223,10 @@ def main() -> int:
     print(f"{what}, bf16, prompt {a.prompt}, {a.new} new tokens, greedy")
     if a.explain:
         explain(model, a.prompt)
+    if a.host:
+        for B in a.batch:
+            host_breakdown(model, B, a.prompt, a.new)
+        return 0
     print(f"{'B':>4} {'transformers':>13} {'mla eager':>10} {'mla graphs':>11} {'graphs/hf':>10} "
           f"{'same as hf':>11} {'graphs=eager':>13} {'host us/step':>13} {'replay ms':>10} {'step ms':>8}")
     hf_kw = {} if a.no_compile else {"cache_implementation": "static"}
