@@ -5,9 +5,10 @@ batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps)
 handle knows each row's sequence, ``cache.append_tokens`` reserves each new token's slot, and
 a row's block table changes only when its sequence enters a new block (or its last block is
 copied on write, or the rows were reordered). So a step packs, per row, [position, slot + 1,
-length, block table] into one host array, copies it to the device in one transfer (the token
-ids, on the device already, go into a static buffer of their own), and replays the bucket's graph (``mla.StepGraph.run_packed``), whose first kernels unpack it
-into the static batch and whose body is the model's own forward (embeddings, every decoder
+length, block table] into one host array, copies it to the device in one asynchronous transfer
+(from a ring of pinned buffers; the token ids, on the device already, go into a static buffer
+of their own), and replays the bucket's graph (``mla.StepGraph.run_packed``), whose first
+kernels unpack it into the static batch and whose body is the model's own forward (embeddings, every decoder
 layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins running their
 ``mla.MLA`` layers on that batch. No host read-back: no ``.item()``, no mask or lengths read.
 
@@ -35,8 +36,8 @@ from .graph import StepGraph
 
 __all__ = ["DecodeStep"]
 
-POSITION, SLOT, LENGTH, TABLE = range(4)
-RING = 4   # pinned staging buffers of the rows   # the packed row's columns; TABLE.. the block table
+POSITION, SLOT, LENGTH, TABLE = range(4)   # the packed row's columns; TABLE.. the block table
+RING = 4                                   # pinned staging buffers of the rows
 
 
 class DecodeStep:
