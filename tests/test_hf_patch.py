@@ -214,35 +214,79 @@ def test_refuses_what_it_cannot_serve():
                                                  dtype=torch.float32))
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "mistral4", "minicpm3", "kimi_linear", "longcat_flash",
-                                  "deepseek_v32"])
-def test_graphs_generate_matches_eager(case, monkeypatch):
-    """patch(graphs=True): every decode step of every layer runs through the layer's StepGraph
-    (on CPU its static buffers, eagerly), prompts eagerly; the tokens are the unpatched model's
-    for batch 1 and a left-padded batch of 2."""
+def count_steps(monkeypatch):
+    """Lists that collect, per call, the rows of each whole-model static decode step and of each
+    ``cache.prepare`` (the eager forwards)."""
+    packed, prepared = [], []
+    run, prepare = mla.StepGraph.run_packed, mla.PagedLatentCache.prepare
+    monkeypatch.setattr(mla.StepGraph, "run_packed", lambda self, x, n: packed.append(n) or run(self, x, n))
+    monkeypatch.setattr(mla.PagedLatentCache, "prepare",
+                        lambda self, reqs: prepared.append(len(list(reqs))) or prepare(self, reqs))
+    return packed, prepared
+
+
+@pytest.mark.parametrize("case, graphs", [("deepseek_v3", None), ("deepseek_v3", True), ("mistral4", True),
+                                          ("minicpm3", True), ("longcat_flash", True), ("deepseek_v32", True),
+                                          ("axk2", True), ("hy_v4", True)])
+def test_graphs_generate_matches_eager(case, graphs, monkeypatch):
+    """Every decode step of generate runs the whole model as one static step (on CPU its static
+    buffers, eagerly; on a GPU one graph replay), the prompt eagerly: the tokens are the
+    unpatched model's for batch 1 and a left-padded batch of 2, and the only ``prepare`` is
+    the prompt's. Dense families take the static step by default (graphs=None), so that the
+    eager and graphed steps run the same kernels."""
     model = make_model(case, seed=GENERATE_SEEDS.get(case, 0))
     requests = [prompts(1, seed=1), prompts(2, seed=2)]
     refs = [greedy(model, ids, mask) for ids, mask in requests]
-    calls = []
-    real = mla.StepGraph.__call__
-    monkeypatch.setattr(mla.StepGraph, "__call__", lambda self, x, batch: calls.append(batch.num_seqs) or
-                        real(self, x, batch))
-    layers = NUM_MLA.get(case, family_case(case).make_config().num_hidden_layers)
-    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
+    packed, prepared = count_steps(monkeypatch)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=graphs) as handle:
+        assert handle.graphs is bool(graphs)
         for (ids, mask), ref in zip(requests, refs):
-            calls.clear()
+            packed.clear(), prepared.clear()
             assert greedy(model, ids, mask).tolist() == ref.tolist(), f"{case}, batch {ids.shape[0]}"
             # the first token comes from the prompt's forward, each later one from a decode step
-            assert calls == [ids.shape[0]] * (layers * (NEW_TOKENS - 1))
+            assert packed == [ids.shape[0]] * (NEW_TOKENS - 1) and prepared == [ids.shape[0]]
+        handle.release()
+        assert handle.cache.num_free_blocks == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("mode", ["beam_search", "eos_return_dict", "continue_cache", "sample"])
+def test_graphs_generate_modes(mode, monkeypatch):
+    """Beam search (reorder, copy-on-write in the static step's tables), an eos with the cache
+    returned, a generate continuing a returned cache, and sampling: the unpatched model's tokens,
+    every decode step static."""
+    model = make_model("deepseek_v3", seed=5)
+    ids, mask = prompts(2, seed=6)
+    kw = {"beam_search": dict(num_beams=3), "eos_return_dict": dict(eos_token_id=10, pad_token_id=0,
+                                                                    return_dict_in_generate=True),
+          "continue_cache": {}, "sample": dict(do_sample=True, top_k=0)}[mode]
+
+    def run():
+        torch.manual_seed(11)
+        if mode == "continue_cache":
+            half = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS // 2, do_sample=False,
+                                  return_dict_in_generate=True)
+            mask2 = torch.cat([mask, torch.ones(2, NEW_TOKENS // 2, dtype=mask.dtype)], 1)
+            return model.generate(half.sequences, attention_mask=mask2, past_key_values=half.past_key_values,
+                                  max_new_tokens=NEW_TOKENS // 2, do_sample=False)
+        if mode == "sample":
+            return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **kw)
+        out = greedy(model, ids, mask, **kw)
+        return out.sequences if mode == "eos_return_dict" else out
+
+    ref = run()
+    packed, _ = count_steps(monkeypatch)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
+        assert run().tolist() == ref.tolist()
+        assert packed, "no decode step ran static"
         handle.release()
         assert handle.cache.num_free_blocks == NUM_BLOCKS
 
 
 def test_graphs_refused_where_a_graph_cannot_serve():
-    glm = make_model("glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
-    with pytest.raises(ValueError, match="graphs: 'glm_moe_dsa' shares a top-k across layers"):
-        mla.hf.patch(glm, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
-    assert not stand_ins(glm)
+    kimi = make_model("kimi_linear")
+    with pytest.raises(ValueError, match="graphs: 'kimi_linear': its linear-attention layers keep their state"):
+        mla.hf.patch(kimi, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True)
+    assert not stand_ins(kimi)
     v32 = make_model("deepseek_v32")
     cfg = mla.hf.patch_config(v32)
     fp8_keys = mla.PagedLatentCache(cfg, num_layers=v32.config.num_hidden_layers, num_blocks=NUM_BLOCKS,
@@ -254,22 +298,70 @@ def test_graphs_refused_where_a_graph_cannot_serve():
         mla.hf.patch(model, graphs="yes")
     assert not stand_ins(model)
     # the default: graphs only where the cache is on a GPU and no indexer needs the host
-    for case in ("deepseek_v3", "deepseek_v32"):
+    for case in ("deepseek_v3", "deepseek_v32", "kimi_linear"):
         with mla.hf.patch(make_model(case), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
             assert handle.graphs is False
     with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
         assert handle.graphs is True
 
 
-def test_glm_shared_indexer_layers_generate_eager_tokens():
+@pytest.mark.parametrize("graphs", [None, True])
+def test_glm_shared_indexer_layers_generate_eager_tokens(graphs, monkeypatch):
     """GLM-5 with shared indexer layers (1 and 3 reuse the top-k of 0 and 2): the patched model's
-    layers share their top-k through the step's batch, and generate gives eager's tokens."""
+    layers share their top-k through the step's batch, eagerly and in the whole-model static
+    step (one graph holds every layer, so the shared top-k stays inside it); generate gives the
+    unpatched model's tokens."""
     model = make_model("glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    packed, _ = count_steps(monkeypatch)
     for ids, mask in (prompts(1, seed=1), prompts(2, seed=2)):
         ref = greedy(model, ids, mask)
-        with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+        with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=graphs) as handle:
             assert handle.cfg.index_shared_layers == (1, 3)
             assert greedy(model, ids, mask).tolist() == ref.tolist()
+    assert bool(packed) is bool(graphs)
+
+
+def test_right_padding_refused_by_name():
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    right = mask.flip(1)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+        with pytest.raises(ValueError, match=r"row 1 has padding after a real token \(right padding\).*"
+                                             r"padding_side = 'left'"):
+            greedy(model, ids.flip(1), right)
+        assert handle.cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_decode_step_mask_checked_at_the_next_forward():
+    """A decode step trusts its mask to be generate's (its shape is checked then); a mask whose
+    new column is padding is reported by the next forward that reads the host."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        o = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        bad = torch.cat([mask, torch.tensor([[1], [0]])], 1)
+        model(input_ids=torch.tensor([[3], [4]]), attention_mask=bad, past_key_values=o.past_key_values)
+        with pytest.raises(ValueError, match="the decode step at 9 past tokens had a mask"):
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_model_to_dtype_follows():
+    """model.to(bfloat16) after patch: the layers, the cache the patch made and the static step
+    follow (as patching the cast model would give), unpatch restores bfloat16 modules; a dtype
+    mla does not run is refused by name."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as handle:
+        greedy(model, ids, mask)
+        model.to(torch.bfloat16)
+        out = greedy(model, ids, mask)
+        assert handle.dtype == handle.cache.dtype == handle.layers[0].w_a.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="float64 after patch; mla's layers run in one of"):
+            model.to(torch.float64)(input_ids=ids, attention_mask=mask)
+        model.to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        assert greedy(model, ids, mask).tolist() == out.tolist()
 
 
 @pytest.mark.parametrize("name", ["deepseek_v4"])
@@ -300,3 +392,33 @@ def test_given_cache():
         assert greedy(model, ids, mask).tolist() == ref.tolist()
         assert cache.num_free_blocks == 32 - sum(math.ceil((int(n) + NEW_TOKENS - 1) / 8) for n in mask.sum(1))
     assert cache.num_free_blocks == 32          # unpatch releases the request
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32"])
+def test_graphs_on_gpu(case):
+    """On a GPU: each decode step one CUDA graph replay of the whole model, with no host
+    synchronisation inside the patch's step (CUDA's sync debug mode set to error around it);
+    float32 tokens equal the unpatched model's and the eager static step's, batch 1 and a
+    left-padded batch of 2."""
+    model = make_model(case).cuda()
+    requests = [tuple(t.cuda() for t in prompts(b, seed=b)) for b in (1, 2)]
+    refs = [greedy(model, ids, mask).tolist() for ids, mask in requests]
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=False):
+        assert [greedy(model, ids, mask).tolist() for ids, mask in requests] == refs
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, graphs=True) as handle:
+        assert [greedy(model, ids, mask).tolist() for ids, mask in requests] == refs   # captures
+        assert handle._decode.graph.captured == (1, 2)
+        step, steps = handle._decode_step, []
+
+        def no_sync(kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = step(kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            steps.append(out is not None)
+            return out
+        handle._decode_step = no_sync
+        assert [greedy(model, ids, mask).tolist() for ids, mask in requests] == refs
+        assert steps.count(True) == 2 * (NEW_TOKENS - 1)

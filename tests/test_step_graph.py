@@ -164,6 +164,64 @@ def test_token_ids_and_tuple_outputs():
         assert_same(o, w, torch.float32)
 
 
+def packed_step(step, width):
+    """A step_fn for ``run_packed``: rows [position, slot + 1, length, block table | hidden
+    state] (as float32), unpacked into the static batch inside the step; an all-zero row is
+    padding (slot -1, length 0)."""
+    def run(x, batch):
+        meta = x[:, : 3 + width].long()
+        batch.positions.copy_(meta[:, 0])
+        torch.sub(meta[:, 1], 1, out=batch.slot_mapping)
+        batch.cache_seqlens.copy_(meta[:, 2])
+        batch.block_table.copy_(meta[:, 3:])
+        torch.cumsum(batch.cache_seqlens, 0, out=batch.cu_seqlens_k[1:])
+        return step(x[:, 3 + width:].contiguous(), batch)
+    return run
+
+
+def test_run_packed_and_append_tokens_equal_prepare_and_the_eager_step():
+    """A decode step whose metadata travels packed in x (``run_packed``), its slots from
+    ``cache.append_tokens``: the eager step's outputs and cache rows, through buckets 4 (3 rows
+    padded), 2 and 4 again, with a fork (copy-on-write at the next step) between."""
+    cfg = mla.MLAConfig.preset("tiny")
+    step = Step(cfg, 2, torch.float32)
+    caches = [nan_cache(cfg, torch.float32) for _ in range(2)]
+    width = 8
+    graph = mla.StepGraph(packed_step(step, width), caches[1], max_blocks_per_seq=width, buckets=(2, 4),
+                          dtype=torch.float32, input_shape=(3 + width + cfg.hidden_size,))
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(18, cfg.hidden_size, generator=g)
+    for c in caches:
+        step(x0, c.prepare([("a", 5), ("b", 9), ("c", 4)]))
+    for seqs in (["a", "b", "c"], ["c", "a"], "fork", ["a", "b", "c", "d"]):
+        if seqs == "fork":
+            for c in caches:
+                c.fork("a", "d")
+            continue
+        x = torch.randn(len(seqs), cfg.hidden_size, generator=g)
+        batch = caches[0].prepare([(s, 1) for s in seqs])
+        want = step(x, batch)
+        before = [caches[1].length(s) for s in seqs]
+        slots = caches[1].append_tokens(seqs)
+        assert slots == batch.slot_mapping.tolist()
+        rows = torch.zeros(len(seqs), 3 + width + cfg.hidden_size)
+        for b, s in enumerate(seqs):
+            blocks = caches[1].blocks(s)
+            rows[b, :3] = torch.tensor([before[b], slots[b] + 1, before[b] + 1])
+            rows[b, 3:3 + len(blocks)] = torch.tensor(blocks, dtype=torch.float32)
+        rows[:, 3 + width:] = x
+        got = graph.run_packed(rows, len(seqs))
+        assert_same(got, want, torch.float32)
+    assert same_kv(caches[1].kv, caches[0].kv, F32_RTOL)
+    with pytest.raises(ValueError, match="num_seqs: expected 1 to 4"):
+        graph.run_packed(rows, 5)
+    with pytest.raises(ValueError, match=r"x: expected shape \(2, "):
+        graph.run_packed(rows, 2)
+    with pytest.raises(ValueError, match="seq_ids: unknown sequence 'zz'"):
+        caches[1].append_tokens(["a", "zz"])
+    assert caches[1].length("a") == caches[0].length("a")     # refused before any change
+
+
 # ---- refusals: ValueError naming the argument, the cache as it was ------------------------
 
 def _decoding(num_seqs=3, block_size=4, length=5):

@@ -183,6 +183,37 @@ class PagedLatentCache:
             raise ValueError("requests: this cache's blocks are owned by an engine (batch_from_tables); expected a "
                              "cache whose blocks mla owns")
         reqs = self._check_requests(requests)
+        self._reserve(reqs)
+        return self._build_batch(reqs)
+
+    def append_tokens(self, seq_ids: Iterable[Hashable]) -> list[int]:
+        """Reserve one new token for each sequence, as ``prepare([(seq, 1), ...])`` does, and
+        return each token's cache slot (block * block_size + offset) without building a Batch:
+        for a caller that packs a pure decode step's metadata itself (``mla.hf``'s whole-model
+        decode step), whose host work each step is then a few list operations a sequence.
+        Every sequence must exist; without Helix CP only (a CP rank stores a token or not)."""
+        if self.cp_size > 1:
+            raise ValueError(f"seq_ids: append_tokens serves cp_size 1, the cache has cp_size {self.cp_size}; "
+                             "use prepare")
+        try:
+            seqs = list(seq_ids)
+        except TypeError:
+            raise ValueError(f"seq_ids: expected an iterable of sequence ids, got {type(seq_ids).__name__}") from None
+        for s in seqs:
+            self._require(s, "seq_ids")
+        reqs = self._check_requests([(s, 1) for s in seqs])
+        self._reserve(reqs)
+        bs = self.block_size
+        slots = []
+        for s in seqs:
+            p = self._lengths[s] - 1
+            slots.append(self._blocks[s][p // bs] * bs + p % bs)
+        return slots
+
+    def _reserve(self, reqs: list[tuple[Hashable, int]]) -> None:
+        """prepare's bookkeeping: blocks for the new tokens (copy-on-write of a shared partly
+        filled last block), the new lengths; CacheFullError, changing nothing, when the pool
+        cannot hold them."""
         need, copied = 0, {}   # copied: shared block -> copies counted so far (the last writer keeps it)
         for seq, n in reqs:
             old = self._lengths.get(seq, 0)
@@ -206,7 +237,6 @@ class PagedLatentCache:
                 blocks.append(self._alloc())
             self._lengths[seq] = old + n
             self._changed(seq)
-        return self._build_batch(reqs)
 
     def batch_from_tables(self, requests: Iterable[tuple[Hashable, int, int]], block_tables, slot_mapping=None) -> Batch:
         """A Batch over blocks that an engine owns: its KV-cache manager allocates the blocks,

@@ -71,7 +71,7 @@ class StepGraph:
 
     def __init__(self, step_fn: Callable, cache: PagedLatentCache, *, max_blocks_per_seq: int, s_q: int = 1,
                  buckets=DEFAULT_BUCKETS, dtype: torch.dtype = torch.bfloat16,
-                 input_shape: tuple[int, ...] | None = None, pool=None):
+                 input_shape: tuple[int, ...] | None = None, pool=None, cuda_graphs: bool = True):
         """step_fn(x, batch): the step, x [T, *input_shape] (T = batch.num_tokens) -> a tensor, or
             a tuple of tensors, of T rows; it may read only the batch's tensors (and pass the batch
             to mla.MLA layers): in a bucket its host fields are placeholders (``mla.Batch``).
@@ -86,7 +86,9 @@ class StepGraph:
             StepGraphs whose calls never overlap, e.g. one per layer of a model whose other
             modules run between them (``mla.hf.patch``); default: a pool of this graph's own.
             A graph's output is copied out before the call returns, so a later replay of any
-            graph in the pool may reuse every buffer it wrote."""
+            graph in the pool may reuse every buffer it wrote.
+        cuda_graphs: False runs every call eagerly on the same static buffers, as on CPU: the
+            same kernels, split counts and padding as the replay, without a capture."""
         if not callable(step_fn):
             raise ValueError(f"step_fn: expected a callable step_fn(x, batch), got {type(step_fn).__name__}")
         if not isinstance(cache, PagedLatentCache):
@@ -110,6 +112,8 @@ class StepGraph:
             raise ValueError(f"buckets: expected positive ints, got {buckets!r}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
         if pool is not None and not isinstance(pool, tuple):
             raise ValueError(f"pool: expected None or a torch.cuda.graph_pool_handle(), got {type(pool).__name__}")
         input_shape = (cache.cfg.hidden_size,) if input_shape is None else input_shape
@@ -130,12 +134,13 @@ class StepGraph:
         self._batches = {b: self._static_batch(b) for b in sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}   # bucket -> (graph, its output)
         self._pool = pool       # one memory pool for every bucket's graph (they never run at once)
+        self._replay = cuda_graphs and dev.type == "cuda"
 
     # ---- the public surface ---------------------------------------------------------------
 
     @property
     def captured(self) -> tuple[int, ...]:
-        """The buckets captured so far (none on CPU)."""
+        """The buckets captured so far (none on CPU or with ``cuda_graphs=False``)."""
         return tuple(sorted(self._graphs))
 
     def bucket(self, batch: Batch) -> int:
@@ -166,27 +171,60 @@ class StepGraph:
         if x.dtype != self.dtype or x.device != self.cache.device:
             raise ValueError(f"hidden_states: expected {self.dtype} on {self.cache.device}, got {x.dtype} on "
                              f"{x.device}")
-        if self.cache.device.type != "cuda":
-            self._fill(x, batch)
-            return _rows(self._run(n), T, n * self.s_q)
-        if n not in self._graphs:
+        if self._replay and n not in self._graphs:
             self._capture(n)
         self._fill(x, batch)
-        graph, out = self._graphs[n]
-        graph.replay()
-        return _rows(out, T, n * self.s_q)
+        return self._launch(n, T)
+
+    @torch.no_grad()
+    def run_packed(self, x: torch.Tensor, num_seqs: int):
+        """A step whose metadata travels in x itself: x [num_seqs * s_q, *input_shape] (on the
+        cache's device, or on the CPU: then copied in one asynchronous transfer, so pinned
+        memory must stay as it is until the stream has run the copy) goes into the first rows of
+        the input buffer, the rows after them are zero, and the bucket's graph replays (on CPU,
+        or with ``cuda_graphs=False``, step_fn runs eagerly on the buffers). step_fn fills the
+        static batch's tensors from its x (inside the graph) and must treat an all-zero row as
+        padding: slot -1, length 0 (``mla.hf``'s decode step packs [token, position, slot + 1,
+        length, block table] a row). Nothing is checked against the cache: the caller reserved
+        the slots it packs. Returns step_fn's output for the num_seqs * s_q rows, as fresh
+        tensors."""
+        if not isinstance(num_seqs, int) or isinstance(num_seqs, bool) or not 1 <= num_seqs <= self.buckets[-1]:
+            raise ValueError(f"num_seqs: expected 1 to {self.buckets[-1]} (the largest of buckets={self.buckets}), "
+                             f"got {num_seqs!r}")
+        T = num_seqs * self.s_q
+        expected = (T, *self.input_shape)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected shape {expected}, got {got}")
+        if x.dtype != self.dtype or x.device not in (self.cache.device, torch.device("cpu")):
+            raise ValueError(f"x: expected {self.dtype} on {self.cache.device} or the CPU, got {x.dtype} on {x.device}")
+        n = next(b for b in self.buckets if b >= num_seqs)
+        if self._replay and n not in self._graphs:
+            self._capture(n)
+        self._pad(num_seqs)
+        self._x[:T].copy_(x, non_blocking=True)
+        self._rows = num_seqs
+        return self._launch(n, T)
 
     @torch.no_grad()
     def capture(self) -> None:
         """Capture every bucket not captured yet (what a server does at start-up, so that no
         capture falls in its serving loop), the largest first: the smaller graphs then reuse
-        its memory. Nothing on CPU."""
-        if self.cache.device.type == "cuda":
+        its memory. Nothing on CPU or with ``cuda_graphs=False``."""
+        if self._replay:
             for n in reversed(self.buckets):
                 if n not in self._graphs:
                     self._capture(n)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _launch(self, n: int, T: int):
+        """Replay bucket n (or run it eagerly) on what the buffers hold; the first T rows out."""
+        if not self._replay:
+            return _rows(self._run(n), T, n * self.s_q)
+        graph, out = self._graphs[n]
+        graph.replay()
+        return _rows(out, T, n * self.s_q)
 
     def _problem(self, batch) -> str | None:
         """Why a call cannot serve ``batch``, or None."""

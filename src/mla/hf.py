@@ -5,15 +5,18 @@
 with the module's weights for each, and swaps the module for a thin stand-in that runs it on
 one shared ``PagedLatentCache``. The rest of the model (embeddings, norms, MoE, lm_head, the
 linear-attention layers of Kimi Linear and GLM-5.3-Flash) stays transformers' own.
+User guide: docs/hf.md.
 
-How one forward of the patched model runs:
+A forward that is not a plain decode step (a prompt, assisted decoding's drafts, a cropped
+cache) runs eagerly:
 
 - A forward pre-hook on the decoder stack (``model.base_model``) reads what every layer shares:
   the 2-D ``attention_mask`` ``[B, past + S]``, ``position_ids`` and the transformers ``Cache``.
-  Row b of the batch is one mla sequence; its new tokens are the non-pad columns of the last S
-  (left padding, as ``generate`` pads). The hook checks that the mask's count of past tokens
-  equals the sequence's cache length and that ``position_ids`` (where given) are the positions
-  mla derives from the cache, then calls ``cache.prepare`` once: plan once, run many.
+  Row b of the batch is one mla sequence; its new tokens are the non-pad columns of the last S.
+  Padding goes on the left, as ``generate`` expects (a row with padding after a real token is
+  refused: ``tokenizer.padding_side = "left"``). The hook checks that the mask's count of past
+  tokens equals the sequence's cache length and that ``position_ids`` (where given) are the
+  positions mla derives from the cache, then calls ``cache.prepare`` once: plan once, run many.
 - Each stand-in gathers the rows of the real tokens from ``hidden_states [B, S, D]``, runs its
   ``mla.MLA`` on them and scatters the output back; pad rows get zeros.
 - transformers' ``Cache`` keeps only the lengths: each stand-in appends a ``[B, 1, S, 1]`` uint8
@@ -25,23 +28,25 @@ How one forward of the patched model runs:
   ``generate`` (stop-check rollback, assisted decoding) truncates the sequences to match, and
   beam search's reorder forks them (copy-on-write) through ``model._reorder_cache``.
 
+A decode step (one new token a row on the cache of the last forward, ``generate``'s loop) runs
+the whole model on static buffers (``mla.hf_graph``): with ``graphs`` (on by default on a GPU)
+as one CUDA graph a batch bucket, embeddings to logits, its metadata packed on the host and
+copied in one transfer, no host read-back; without, the same step eagerly. Both pick the same
+decode kernel and split count (the block table is as wide in both), so the graphed and eager
+steps give the same tokens.
+
 Static (compileable) caches and 4-D masks are refused: their masks do not say which tokens are
 padding, and mla holds the K/V those caches would preallocate.
 
-``graphs`` (on by default on a GPU) runs each patched layer's decode steps (one new token a row,
-up to 128 rows) in CUDA graphs, one ``mla.StepGraph`` a layer, all in one memory pool: eagerly a
-layer's step is about a millisecond of host time (its Python, each op's dispatch, a dozen kernel
-launches), so a patched model decodes far slower than transformers' compiled static-cache
-``generate``; replayed, the host cost of a layer is the copy of the step's batch into the
-graph's buffers.
-Prompts, mixed and larger batches stay eager. Each batch size's graphs are captured at its
-first decode step. Sparse-indexer families get them when asked (``patch(graphs=True)``), every
-step on the sparse path; refused where layers share a top-k (GLM-5) or the step needs host
-lengths (the k-pool indexer).
+The patched layers follow the model: after ``model.to(dtype)`` or ``model.to(device)`` the next
+forward rebuilds them (and the cache the patch made, and the graphs) in the model's new dtype
+and device, from the original modules, which move alike (so ``unpatch`` restores a model in
+its new dtype). The current request is released then.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -50,8 +55,7 @@ from torch import nn
 
 from .cache import PagedLatentCache
 from .config import MLAConfig
-from .graph import StepGraph
-from .layer import MLA
+from .layer import LAYER_DTYPES, MLA
 from .strategy import static_sparse_problem
 
 __all__ = ["patch", "patch_config", "PatchHandle"]
@@ -73,20 +77,22 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
         blocks of ``block_size`` tokens.
     dtype: the layers' and the created cache's dtype; None takes the modules' parameter dtype.
     backend: as ``mla.MLA``'s ("auto" | "torch" | "triton").
-    graphs: replay each layer's decode steps from CUDA graphs (module docstring); on CPU the
-        same static buffers run eagerly. None (the default): on where the cache is on a GPU and
-        the family has no sparse indexer (2.2-2.5x eager's tokens a second on the H200, 4
-        DeepSeek-V3 layers, batch 1-32); True asks for them anywhere, for a sparse family too
-        (every decode step on the sparse path, the logits as wide as the table: the pool or the
-        model's positions), refused where a layer shares another's top-k or the graph would need
-        host lengths (``strategy.static_sparse_problem``).
+    graphs: run each decode step of the whole model (embeddings to logits) as one CUDA graph a
+        batch bucket (module docstring; docs/PERF.md has the figures); on CPU the same static
+        step runs eagerly. None (the default): on where the cache is on a GPU, the family has no
+        sparse indexer and every decoder layer is MLA; True asks for them anywhere, for a sparse
+        family too (every decode step on the sparse path, the logits as wide as the table: the
+        pool or the model's positions). Refused (ValueError, naming the reason) where the graph
+        cannot hold the step: linear-attention layers (Kimi Linear, GLM-5.3-Flash) keep their
+        state in transformers' Cache, and the k-pool indexer needs host lengths
+        (``strategy.static_sparse_problem``).
 
     Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.graphs``,
     ``handle.release()`` (return the current request's blocks now) and ``handle.unpatch()``
     (restore the original modules).
     Raises NotImplementedError (naming the model_type) for a family ``from_hf`` refuses, and
     ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` where
-    a graph cannot serve the family's sparse indexer.
+    a graph cannot serve the model.
     """
     return PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks,
                        block_size=block_size, max_workspace_tokens=max_workspace_tokens, graphs=graphs)
@@ -97,19 +103,17 @@ class _Step:
     """What every stand-in of one forward shares."""
     batch: Any                  # mla.Batch, or None when no row brings a real token
     index: torch.Tensor | None  # [T] flat rows (b * S + s) of the real tokens; None: all B * S rows
-    graphed: bool = False       # every layer's StepGraph serves the batch (patch(graphs=True))
     runners: Any = None         # what runs each MLA layer (by index) instead, for an engine's step (mla.hf_engine)
 
 
 class _MLAAttention(nn.Module):
     """Stands in for one transformers MLA attention module: same call, ``(output, None)`` back."""
 
-    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int, graph: StepGraph | None):
+    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int):
         super().__init__()
         self.mla = layer
         self.layer_idx = hf_layer_idx          # the module's index in transformers' Cache
         self._handle = [handle]                # a list, so nn.Module does not register it
-        self.graph = graph                     # the layer's decode-step graphs (patch(graphs=True)) or None
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
         step = self._handle[0]._current_step()
@@ -118,14 +122,12 @@ class _MLAAttention(nn.Module):
             # Lengths only: one uint8 per token keeps get_seq_length right without storing K/V.
             stub = torch.empty((B, 1, S, 1), dtype=torch.uint8, device=hidden_states.device)
             past_key_values.update(stub, stub, self.layer_idx)
-        out = hidden_states.new_zeros(B * S, D)
+        out = hidden_states.new_zeros(B * S, D) if step.index is not None or step.batch is None else None
         if step.batch is not None:
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
-            x = x.to(self.mla.dtype).contiguous()
-            run = step.runners[self.mla.layer_idx] if step.runners is not None else \
-                self.graph if step.graphed else self.mla
-            y = run(x, step.batch).to(hidden_states.dtype)
+            run = self.mla if step.runners is None else step.runners[self.mla.layer_idx]
+            y = run(x.to(self.mla.dtype).contiguous(), step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
             else:
@@ -159,6 +161,16 @@ def _numbered(cfg: MLAConfig) -> MLAConfig:
     return dataclasses.replace(cfg, mla_layers=None, index_shared_layers=shared)
 
 
+def _graph_problem(cfg: MLAConfig, cache: PagedLatentCache) -> str | None:
+    """Why the whole-model decode step cannot run on static buffers, or None."""
+    if cfg.mla_layers is not None:
+        return ("its linear-attention layers keep their state in transformers' Cache, which the whole-step "
+                "graph does not carry")
+    if cache.cp_size > 1:
+        return f"a Helix CP cache (cp_size {cache.cp_size}) is not captured"
+    return static_sparse_problem(cfg, cache) if cfg.has_indexer else None
+
+
 class PatchHandle:
     """The patch of one model: its layers, its cache, and the request it is serving."""
 
@@ -166,14 +178,11 @@ class PatchHandle:
         cfg, model_type = _configs(model)
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
-        if graphs and cfg.index_shared_layers:
-            raise ValueError(f"graphs: {model_type!r} shares a top-k across layers, which a graph a layer cannot "
-                             "hand on (patch with graphs=False)")
         # GLM-5's, GLM-5.3-Flash's and Hy4's decoder layers take a third output from attention,
         # its top-k, and hand it to the next layer as prev_topk_indices (the shared layers reuse
         # it). The stand-ins return None there: mla's layers share their selection through the
-        # step's Batch (``Batch.remember``), one Batch serving every layer of a forward, so the
-        # next stand-in needs nothing from transformers.
+        # step's Batch (``Batch.remember``), one Batch serving every layer of a forward (and of
+        # a graphed step), so the next stand-in needs nothing from transformers.
         self.returns_topk = model_type in ("glm_moe_dsa", "glm5_next_text", "glm5_next", "hy_v4")
         self.cfg = _numbered(cfg)
         if any(isinstance(m, _MLAAttention) for m in model.modules()):
@@ -188,6 +197,7 @@ class PatchHandle:
         first = next(sites[0][1].parameters())
         dtype = first.dtype if dtype is None else dtype
         device = first.device
+        self._own_cache = cache is None
         if cache is None:
             cache = PagedLatentCache(self.cfg, num_layers=len(sites), num_blocks=num_blocks, block_size=block_size,
                                      dtype=dtype, device=device)
@@ -197,54 +207,70 @@ class PatchHandle:
             raise ValueError(f"cache: expected a PagedLatentCache of mla.hf.patch_config(model) and num_layers >= "
                              f"{len(sites)}, got num_layers={cache.num_layers} "
                              f"and {'the same' if cache.cfg == self.cfg else 'another'} config")
-        problem = static_sparse_problem(cfg, cache) if cfg.has_indexer else None
+        problem = _graph_problem(cfg, cache)
         if graphs and problem:
             raise ValueError(f"graphs: {model_type!r}: {problem} (patch with graphs=False)")
-        if graphs is None:
-            graphs = cache.device.type == "cuda" and not cfg.has_indexer
-        self.model, self.cache, self.model_type = model, cache, model_type
-        kw = {} if max_workspace_tokens is None else {"max_workspace_tokens": max_workspace_tokens}
-        self.layers: list[MLA] = []
-        self._graphs: list[StepGraph] = []     # one a layer with graphs=True, all alike in what they serve
+        self.model, self.model_type, self._graphs_arg, self._family_cfg = model, model_type, graphs, cfg
+        self._backend, self._kw = backend, {} if max_workspace_tokens is None else \
+            {"max_workspace_tokens": max_workspace_tokens}
+        self._sites = sites
+        self._parents = [model.get_submodule(name.rpartition(".")[0]) for name, _ in sites]
         self._swapped = []                     # (parent, attribute name, original module)
-        stand_ins = []
-        # one pool for every layer's graphs: the layers' steps never overlap, and each graph's
-        # output is copied out before the next module runs
-        pool = torch.cuda.graph_pool_handle() if graphs and cache.device.type == "cuda" else None
-        # the widest table a sequence can have: the pool, or the model's positions
-        width = min(cache.num_blocks, -(-self.cfg.max_position_embeddings // cache.block_size))
-        for i, (name, module) in enumerate(sites):
-            layer = MLA(self.cfg, layer_idx=i, dtype=dtype, device=device, backend=backend, **kw)
-            layer.load_hf_state_dict({k: v.detach() for k, v in module.state_dict().items()}, prefix="")
-            self.layers.append(layer)
-            graph = StepGraph(layer, cache, max_blocks_per_seq=width, dtype=dtype, pool=pool) if graphs else None
-            if graph is not None:
-                self._graphs.append(graph)
-            parent_name, _, attr = name.rpartition(".")
-            stand_ins.append((model.get_submodule(parent_name), attr, module,
-                              _MLAAttention(self, layer, getattr(module, "layer_idx", i), graph)))
-        # Swap only once every layer has loaded: a failed load leaves the model as it was.
-        for parent, attr, module, stand_in in stand_ins:
-            setattr(parent, attr, stand_in)    # ModuleList children are set by their string index too
-            self._swapped.append((parent, attr, module))
+        self._build(cache, dtype, device)
+        for parent, (name, module) in zip(self._parents, sites):
+            self._swapped.append((parent, name.rpartition(".")[2], module))
         decoder = getattr(model, "base_model", model)
         self._hooks = [decoder.register_forward_pre_hook(self._begin_step, with_kwargs=True),
                        decoder.register_forward_hook(self._end_step, with_kwargs=True)]
         self._had_reorder = "_reorder_cache" in vars(model)
         model._reorder_cache = self._reorder_cache
+        self._had_forward = "forward" in vars(model)
+        self._original_forward = model.forward
+        model.forward = functools.wraps(self._original_forward)(lambda *a, **kw: self._forward(*a, **kw))
         self._ids = itertools.count()
         self._seq_ids: list = []               # one mla sequence per batch row of the request
         self._past_cache = None                # the transformers Cache of the request
+        self._lengths_only = False             # its MLA layers only count tokens (set_lengths may serve them)
         self._columns: int | None = 0          # mask columns consumed (None: a forward failed)
         self._step: _Step | None = None
+        self._static = False                   # the static decode step's forward is running
         self._pending: int | None = None
         # plans the forwards of transformers' continuous-batching engine (set by mla.hf_engine.enable)
         self.engine_step = None
 
+    def _build(self, cache: PagedLatentCache, dtype: torch.dtype, device: torch.device) -> None:
+        """The layers on ``cache`` from the original modules' weights, their stand-ins swapped in,
+        and the decode step on static buffers where it serves."""
+        from .hf_graph import DecodeStep
+
+        layers, stand_ins = [], []
+        for i, (name, module) in enumerate(self._sites):
+            layer = MLA(self.cfg, layer_idx=i, dtype=dtype, device=device, backend=self._backend, **self._kw)
+            layer.load_hf_state_dict({k: v.detach() for k, v in module.state_dict().items()}, prefix="")
+            layers.append(layer)
+            stand_ins.append(_MLAAttention(self, layer, getattr(module, "layer_idx", i)))
+        # Swap only once every layer has loaded: a failed load leaves the model as it was.
+        for parent, (name, _), stand_in in zip(self._parents, self._sites, stand_ins):
+            setattr(parent, name.rpartition(".")[2], stand_in)   # ModuleList children by their string index too
+        self.cache, self.layers, self.dtype, self.device = cache, layers, dtype, torch.device(device)
+        self._layer_ids = [m.layer_idx for m in stand_ins]
+        graphs = self._graphs_arg
+        problem = _graph_problem(self._family_cfg, cache)
+        if graphs is None:
+            graphs = cache.device.type == "cuda" and not self.cfg.has_indexer and problem is None
+        # the widest table a sequence can have: the pool, or the model's positions; the eager
+        # decode steps of a dense family run the same static step, so that their decode kernel
+        # and split count (chosen from the table's width) are the graph's
+        width = min(cache.num_blocks, -(-self.cfg.max_position_embeddings // cache.block_size))
+        static = problem is None and (graphs or not self.cfg.has_indexer)
+        self._decode = DecodeStep(self, width, cuda_graphs=bool(graphs)) if static else None
+        self._graphs_on = bool(graphs) and static
+
     @property
     def graphs(self) -> bool:
-        """Whether the layers' decode steps replay from CUDA graphs (``patch(graphs=)``)."""
-        return bool(self._graphs)
+        """Whether decode steps run the whole model as one graph a bucket (``patch(graphs=)``; on
+        CPU the same static step, eagerly)."""
+        return self._graphs_on
 
     # ---- the request --------------------------------------------------------------------
 
@@ -254,6 +280,8 @@ class PatchHandle:
             if s in self.cache:
                 self.cache.release(s)
         self._seq_ids, self._past_cache, self._columns = [], None, 0
+        if self._decode is not None:
+            self._decode.invalidate()
 
     def unpatch(self) -> None:
         """Release the request's blocks and put the original attention modules back."""
@@ -264,6 +292,11 @@ class PatchHandle:
             setattr(parent, attr, module)
         if not self._had_reorder:
             vars(self.model).pop("_reorder_cache", None)
+        if self._swapped:
+            if self._had_forward:
+                self.model.forward = self._original_forward
+            else:
+                vars(self.model).pop("forward", None)
         self._hooks, self._swapped = [], []
 
     def __enter__(self) -> "PatchHandle":
@@ -279,12 +312,96 @@ class PatchHandle:
                              "builds the step)")
         return self._step
 
+    def _follow_model(self) -> None:
+        """Rebuild the layers (and the cache the patch made) where ``model.to`` moved or cast
+        their parameters since the last forward (module docstring)."""
+        w = self.layers[0].w_a
+        if w.dtype == self.dtype and w.device == self.device:
+            return
+        dtype, device = w.dtype, w.device
+        if dtype not in LAYER_DTYPES:
+            raise ValueError(f"model: cast to {dtype} after patch; mla's layers run in one of {LAYER_DTYPES}: "
+                             "cast the model to one of them")
+        if not self._own_cache and (self.cache.device != device or
+                                    (self.cache.format == "plain" and self.cache.dtype != dtype)):
+            raise ValueError(f"model: its MLA layers are now {dtype} on {device} (model.to after patch), the cache "
+                             f"given to patch holds {self.cache.dtype} rows on {self.cache.device}: unpatch, and patch "
+                             "again with a cache of the model's dtype and device (or no cache: patch makes one)")
+        self.release()
+        for _, module in self._sites:
+            module.to(device=device, dtype=dtype)
+        cache = self.cache
+        if self._own_cache:
+            sizes = dict(num_layers=cache.num_layers, num_blocks=cache.num_blocks, block_size=cache.block_size)
+            cache = self.cache = self._decode = None    # the old pool and graphs go before the new ones
+            cache = PagedLatentCache(self.cfg, **sizes, dtype=dtype, device=device)
+        self._build(cache, dtype, device)
+
     # ---- one forward --------------------------------------------------------------------
 
+    def _forward(self, *args, **kwargs):
+        """The model's forward: a decode step on the static step, anything else as it was."""
+        if self._swapped:
+            self._follow_model()
+            if self._decode is not None and not args:
+                out = self._decode_step(kwargs)
+                if out is not None:
+                    return out
+        return self._original_forward(*args, **kwargs)
+
+    # generate's decode-step arguments the static step serves (others run the eager forward)
+    _DECODE_KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
+                                "return_dict", "cache_position", "logits_to_keep", "output_attentions",
+                                "output_hidden_states"))
+
+    def _decode_step(self, kwargs):
+        """One token a row over the request's cache, on the static step; None where the step is
+        not that (the eager forward then serves it, or raises)."""
+        ids, past_cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        if (not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] != 1 or past_cache is None
+                or past_cache is not self._past_cache or not self._lengths_only or self._columns in (None, 0)
+                or not self._DECODE_KWARGS.issuperset(kwargs) or kwargs.get("use_cache") is False
+                or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")):
+            return None
+        B, past = ids.shape[0], self._columns
+        if B != len(self._seq_ids) or B > self._decode.max_rows or past_cache.get_seq_length() != past:
+            return None
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, past + 1)):
+            return None
+        if positions is not None and (not isinstance(positions, torch.Tensor) or positions.ndim != 2
+                                      or positions.shape[1] != 1 or positions.shape[0] not in (1, B)):
+            return None
+        lengths = [self.cache.length(s) for s in self._seq_ids]
+        if max(lengths) >= self._decode.width * self.cache.block_size or (mask is None and min(lengths) != past):
+            return None
+        logits = self._decode(ids, self._seq_ids, lengths)
+        self._decode.set_lengths(past_cache, self._layer_ids, B, past + 1)
+        self._columns = past + 1
+        if mask is not None or positions is not None:
+            self._decode.pending_check = (mask if mask is not None else torch.ones(B, past + 1, device=ids.device),
+                                          positions, [n + 1 for n in lengths], past)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_cache)
+
+    def _enter_static(self, batch) -> None:
+        """The static step's forward is running (``mla.hf_graph``): the stand-ins serve its batch,
+        the hooks stand aside."""
+        self._step, self._static = _Step(batch, None), True
+
+    def _leave_static(self) -> None:
+        self._step, self._static = None, False
+
     def _begin_step(self, module, args, kwargs):
+        if self._static:                      # the static step's forward: its batch is set
+            return None
         if self.engine_step is not None and "write_index" in kwargs:
             self._step = self.engine_step(kwargs)   # an engine step: the engine's tables, not a Cache
             return None
+        self._follow_model()
+        if self._decode is not None:
+            self._decode.check_pending()       # the last decode step's mask, now that the host waits anyway
+            self._decode.invalidate()
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
@@ -304,6 +421,12 @@ class PatchHandle:
             raise ValueError(f"attention_mask: expected a 2-D padding mask of shape {(B, past + S)} "
                              f"(batch, past + new tokens), got {got}")
         mask = mask.bool()
+        if mask.shape[1] > 1:
+            gaps = (mask[:, 1:] < mask[:, :-1]).any(1).nonzero().flatten().tolist()
+            if gaps:
+                raise ValueError(f"attention_mask: row {gaps[0]} has padding after a real token (right padding); "
+                                 "mla serves left-padded batches, as generate expects: pad on the left "
+                                 "(tokenizer.padding_side = 'left')")
         if past == 0:
             self.release()                     # a new request
             self._seq_ids = [("hf", next(self._ids)) for _ in range(B)]
@@ -337,14 +460,15 @@ class PatchHandle:
         requests = [(s, n) for s, n in zip(self._seq_ids, num_new) if n > 0]
         batch = self.cache.prepare(requests) if requests else None
         index = None if bool(new.all()) else new.reshape(-1).nonzero().squeeze(1)
-        # the layers' graphs have the same buckets, width and s_q: one asks for all
-        self._step = _Step(batch, index, batch is not None and bool(self._graphs) and self._graphs[0].fits(batch))
+        self._step = _Step(batch, index)
         self._past_cache = past_cache
         self._columns = None                   # set again when the forward completes
         self._pending = past + S
         return None
 
     def _end_step(self, module, args, kwargs, output):
+        if self._static:
+            return None
         step, self._step = self._step, None
         if step is not None and step.runners is not None:   # an engine step: the request is not the patch's
             return None
@@ -352,7 +476,13 @@ class PatchHandle:
         if past_cache is None:                 # the model made its own Cache (use_cache, no cache given)
             past_cache = getattr(output, "past_key_values", None)
         self._past_cache = past_cache
-        self._columns = self._pending
+        layers = getattr(past_cache, "layers", None)
+        # layers whose length is their keys' length, and nothing else (the indexed layer's indexer
+        # keys stay empty: mla keeps them)
+        self._lengths_only = layers is not None and all(
+            i < len(layers) and type(layers[i]).__name__ in ("DynamicLayer", "DynamicIndexedLayer")
+            for i in self._layer_ids)
+        self._columns, self._pending = self._pending, None
         return None
 
     def _reorder_cache(self, past_key_values, beam_idx: torch.Tensor):
@@ -366,5 +496,7 @@ class PatchHandle:
             if s in self.cache:
                 self.cache.release(s)
         self._seq_ids = new
+        if self._decode is not None:
+            self._decode.invalidate()
         past_key_values.reorder_cache(beam_idx)
         return past_key_values

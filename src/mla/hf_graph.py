@@ -1,0 +1,154 @@
+"""The whole decode step of a patched transformers model on static buffers: one CUDA graph a
+batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps).
+
+``generate`` decodes one token a row a step. What that step needs is on the host already: the
+handle knows each row's sequence, ``cache.append_tokens`` reserves each new token's slot, and
+a row's block table changes only when its sequence enters a new block (or its last block is
+copied on write, or the rows were reordered). So a step packs, per row, [position, slot + 1,
+length, block table] into one host array, copies it to the device in one asynchronous transfer
+(from a ring of pinned buffers; the token ids, on the device already, go into a static buffer
+of their own), and replays the bucket's graph (``mla.StepGraph.run_packed``), whose first
+kernels unpack it into the static batch and whose body is the model's own forward (embeddings, every decoder
+layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins running their
+``mla.MLA`` layers on that batch. No host read-back: no ``.item()``, no mask or lengths read.
+
+The step runs the model's forward with ``use_cache=False`` and a 4-D all-true mask, so that
+transformers builds no mask and keeps no cache inside the graph (the stand-ins ignore both);
+its rotary embedding runs at position 0 and is unused (mla derives RoPE from the batch's
+positions). transformers' ``Cache`` of the request keeps only lengths: after each step every
+MLA layer's keys and values become one zero-stride uint8 view [B, 1, past + 1, 1] (host
+metadata, no kernel), so ``get_seq_length``, ``crop`` and beam search's reorder see the lengths
+that ``generate`` expects.
+
+The mask of a decode step is checked by construction: ``generate`` makes it from the previous
+step's mask and a column of ones, and the prefill's mask was checked on the host (left padding
+only). Its shape is checked each step; its values (every row's count of attended tokens equal
+to its sequence's length, the new column 1, the positions where given) are checked at the next
+forward that reads the host anyway (a prefill, a cropped cache): a manual decode step whose
+mask disagreed raises there, naming the step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .graph import StepGraph
+
+__all__ = ["DecodeStep"]
+
+POSITION, SLOT, LENGTH, TABLE = range(4)   # the packed row's columns; TABLE.. the block table
+RING = 4                                   # pinned staging buffers of the rows
+
+
+class DecodeStep:
+    """The patch's decode steps through one StepGraph a model (module docstring)."""
+
+    def __init__(self, handle, width: int, cuda_graphs: bool):
+        """handle: the PatchHandle (its model, cache, stand-ins and rows); width: the block
+        table's width, so every decode step (graphed or eager) runs the same decode kernel and
+        split count; cuda_graphs: replay the step from CUDA graphs (False: the same static
+        step, run eagerly)."""
+        self.handle, self.width = handle, width
+        cache = handle.cache
+        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32,
+                               input_shape=(TABLE + width,), cuda_graphs=cuda_graphs)
+        self.max_rows = self.graph.buckets[-1]
+        self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int32)   # int32: the transfer half as large
+        self._host_t = torch.from_numpy(self._host)
+        # pinned copies of the rows for the transfer, a ring: each is written again only after
+        # the step that read it (RING steps back, long done) has run, so the copy is
+        # asynchronous and the host waits for nothing
+        on_gpu = cache.device.type == "cuda"
+        self._staging = [torch.empty_like(self._host_t).pin_memory() for _ in range(RING)] if on_gpu else []
+        self._copied = [torch.cuda.Event() for _ in range(RING)] if on_gpu else []
+        self._turn = 0
+        self._row_seqs: list = []         # the sequence whose table row _host holds, per row
+        self._dirty = True                # rows to rebuild from the cache (after any change but a step)
+        self._stub = torch.zeros(1, dtype=torch.uint8, device=cache.device)
+        self._tokens = torch.zeros(self.max_rows, 1, dtype=torch.int64, device=cache.device)
+        self._mask_4d = torch.ones(self.max_rows, 1, 1, 1, dtype=torch.bool, device=cache.device)
+        self.pending_check = None         # (mask, positions, lengths) of the last decode step
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.graph._replay
+
+    def invalidate(self) -> None:
+        """The rows' sequences changed otherwise than by a decode step (a prefill, a reorder, a
+        crop): rebuild every table row at the next step."""
+        self._dirty = True
+
+    # ---- the step, inside the graph -------------------------------------------------------
+
+    def _step(self, x: torch.Tensor, batch):
+        """step_fn of the StepGraph: unpack the rows into the static batch, run the model."""
+        n = x.shape[0]
+        batch.positions.copy_(x[:, POSITION])
+        torch.sub(x[:, SLOT], 1, out=batch.slot_mapping)          # an all-zero row: slot -1
+        batch.cache_seqlens.copy_(x[:, LENGTH])
+        batch.block_table.copy_(x[:, TABLE:])
+        torch.cumsum(batch.cache_seqlens, 0, out=batch.cu_seqlens_k[1:])
+        h = self.handle
+        h._enter_static(batch)
+        try:
+            out = h._original_forward(input_ids=self._tokens[:n], attention_mask=self._mask_4d[:n],
+                                      use_cache=False, return_dict=True)
+        finally:
+            h._leave_static()
+        return out.logits[:, -1]
+
+    # ---- one decode step, on the host ----------------------------------------------------
+
+    def __call__(self, input_ids: torch.Tensor, seq_ids: list, lengths_before: list[int]):
+        """Reserve one token a row, pack the rows, replay: the logits [B, 1, V]."""
+        cache, bs, host, W = self.handle.cache, self.handle.cache.block_size, self._host, self.width
+        B = len(seq_ids)
+        slots = cache.append_tokens(seq_ids)
+        if self._dirty or self._row_seqs != seq_ids:
+            for b, s in enumerate(seq_ids):
+                blocks = cache.blocks(s)
+                host[b, TABLE:TABLE + len(blocks)] = blocks
+                host[b, TABLE + len(blocks):] = 0
+            self._row_seqs, self._dirty = list(seq_ids), False
+        for b in range(B):
+            p = lengths_before[b]
+            block = slots[b] // bs
+            if host[b, TABLE + p // bs] != block:      # a new block, or the last one copied on write
+                host[b, TABLE + p // bs] = block
+            host[b, POSITION] = p
+            host[b, SLOT] = slots[b] + 1
+            host[b, LENGTH] = p + 1
+        self._tokens[:B].copy_(input_ids.view(B, 1))   # rows past B keep earlier ids: padding, dropped
+        if not self._staging:
+            return self.graph.run_packed(self._host_t[:B], B).unsqueeze(1)
+        k = self._turn = (self._turn + 1) % RING
+        self._copied[k].synchronize()                  # returns at once: that step ran long ago
+        rows = self._staging[k][:B]
+        rows.copy_(self._host_t[:B])
+        out = self.graph.run_packed(rows, B)
+        self._copied[k].record()
+        return out.unsqueeze(1)
+
+    def set_lengths(self, past_cache, layer_ids, B: int, length: int) -> None:
+        """transformers' Cache: every MLA layer's keys and values a [B, 1, length, 1] view of one
+        byte (no kernel), as if the stand-ins had appended their stubs."""
+        view = self._stub.as_strided((B, 1, length, 1), (0, 0, 0, 0))
+        layers = past_cache.layers
+        for i in layer_ids:
+            layers[i].keys = layers[i].values = view
+
+    def check_pending(self) -> None:
+        """The deferred check of the last decode step's mask (module docstring); at a forward
+        that reads the host anyway."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is None:
+            return
+        mask, positions, lengths, past = pending
+        want = torch.tensor(lengths, device=mask.device)
+        ok = bool((mask.sum(-1) == want).all()) and bool((mask[:, -1] != 0).all())
+        if positions is not None:
+            ok = ok and bool((positions[:, -1].to(want.device) == want - 1).all())
+        if not ok:
+            raise ValueError(f"attention_mask: the decode step at {past} past tokens had a mask (or position_ids) "
+                             "other than generate's (every row attending all its tokens and the new one, at "
+                             "the position after them); its outputs were computed for generate's mask")
