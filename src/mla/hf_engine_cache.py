@@ -242,4 +242,4 @@ class LatentCache(PagedAttentionCache):
         batch = self.latent.batch_from_tables(reqs, tables, write_index)
         layers = self.engine.handle.layers
         runners = self.graphs if self.graphs is not None and self.graphs[0].fits(batch) else layers
-        return _Step(batch, None, False, runners=runners)
+        return _Step(batch, None, runners=runners)
