@@ -17,9 +17,11 @@ import torch
 from . import portable
 from .gluon import common, fp8, narrow, seesaw
 
-__all__ = ["mla_decode", "choose_kernel", "use_gluon", "use_narrow", "KERNELS", "FP8_PORTABLE_KEYS"]
+__all__ = ["mla_decode", "choose_kernel", "use_gluon", "use_narrow", "KERNELS", "CACHE_FORMATS", "FP8_PORTABLE_KEYS"]
 
 KERNELS = ("portable", "seesaw", "narrow", "fp8")
+# the cache rows mla_decode reads (mla.quant.cache_format): all of them
+CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
 
 # FP8 rows with at most 16 query rows: batches whose keys (B x the table's capacity) are at most
 # this many go to the portable kernel, whose fixed cost is lower
@@ -53,8 +55,6 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     launch = {"seesaw": seesaw.launch, "narrow": narrow.launch, "fp8": fp8.launch}[kernel]
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale=kv_scale, pdl=pdl)
 
-
-mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")
 
 
 def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
