@@ -48,6 +48,10 @@ def constant(x):
     return gl.constexpr(x) if isinstance(x, (int, float)) else x
 
 D_QK, D_V, BLOCK_M, BLOCK_N = 576, 512, 64, 64
+# The Hopper kernels launch at MAXNREG registers a thread: their three warpgroups (two that compute,
+# one that loads) fill the 64K register file (3 x 128 threads x 168); each kernel's warp_specialize
+# then resizes its worker partitions (setmaxnreg) and the default partition takes what they free.
+MAXNREG = 168
 # rows of 64 columns for plain loads and stores of a tile (one warpgroup)
 TILE_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 

@@ -66,9 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, acc_layout, copy_fp8_tile, default_splits, descriptors, launch_dependents,
-                     loader, merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state,
-                     supports, thread_major, wait_prerequisites, zero_tail)
+from .common import (D_QK, D_V, LOG2E, MAXNREG, acc_layout, copy_fp8_tile, default_splits, descriptors,
+                     launch_dependents, loader, merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers,
+                     send_state, supports, thread_major, wait_prerequisites, zero_tail)
 
 __all__ = ["launch", "takes", "MAX_ROWS"]
 
@@ -258,6 +258,10 @@ def _v_tile_step(tile, tile_sc, g: gl.constexpr):
     x = tile.slice(16 * g, 16, dim=0).load(_v_load_layout())
     w = tile_sc.slice(16 * g, 16, dim=0).load(gl.SliceLayout(2, _v_groups_layout()))
     return _v_scaled(x, w)
+
+# Registers (``common.MAXNREG``): the second warpgroup's and the TMA loader's (which only issues
+# copies and waits); the first warpgroup, the default partition, takes what they free
+REGS_WITH_LOADER = gl.constexpr([232, 24])
 
 
 @gluon.jit
@@ -457,7 +461,7 @@ def _fp8_kernel(
         (_fp8_wg, (args, 1, CAUSAL, TILE)),
         (loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
                   blk0, KV_FMT, False, gl.minimum(n_tiles, PRE))),
-    ], [4, 1], [232, 24])
+    ], [4, 1], REGS_WITH_LOADER)
 
 
 # query rows a launch takes: one program per 16 rows (a row group) and split; each group reads
@@ -505,7 +509,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
             Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
             QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
-            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+            num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
     # each row group as a sequence of its own
     splits = num_splits if num_splits is not None else (

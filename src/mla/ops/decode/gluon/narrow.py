@@ -40,11 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, acc_layout, copy_tile, default_splits, descriptors, launch_dependents, loader,
-                     merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state, supports,
-                     thread_major, wait_prerequisites, widen, zero_tail)
+from .common import (D_QK, D_V, LOG2E, MAXNREG, acc_layout, copy_tile, default_splits, descriptors, launch_dependents,
+                     loader, merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state,
+                     supports, thread_major, wait_prerequisites, widen, zero_tail)
 
 __all__ = ["launch", "narrow_rows"]
+
+# Registers (``common.MAXNREG``): the second warpgroup's and the TMA loader's (which only issues
+# copies and waits); the first warpgroup, the default partition, takes what they free
+REGS_WITH_LOADER = gl.constexpr([232, 24])
 
 
 @gluon.jit
@@ -201,7 +205,7 @@ def _narrow_kernel(
         (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
         (loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
                    block_size, blk0, KV_FMT, False, gl.minimum(n_loads, 1 if KV_FMT == 0 else 0))),
-    ], [4, 1], [232, 24])
+    ], [4, 1], REGS_WITH_LOADER)
 
 
 def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
@@ -245,7 +249,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
             SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
-            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+            num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: default_splits(B, H * s_q, max_len, q.device))
     return run_splits(q, D_V, max_len, splits, split_kernel, pdl=pdl)

@@ -23,12 +23,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from ..._jit import num_sms
 from ..combine import combine
-from .common import BLOCK_M, D_QK, D_V, LOG2E, Gathered, gather_loader
-from .seesaw import MAXNREG, REGS_WITH_LOADER, SeesawWork, _wg0, _wg1, seesaw_buffers
+from .common import BLOCK_M, D_QK, D_V, LOG2E, MAXNREG, Gathered, gather_loader
+from .seesaw import REGS_WITH_LOADER, SeesawWork, _wg0, _wg1, seesaw_buffers
 
 __all__ = ["supports", "default_splits", "default_block_n", "launch"]
 
