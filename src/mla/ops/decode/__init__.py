@@ -66,9 +66,10 @@ def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
     On the H200 at 16 heads: per-tensor rows at batches 1-16 x 1k-16k take 0.39-0.94x the
     seesaw's time on the e4m3 kernel, and 0.67-0.85x the e4m3 kernel's on the portable kernel
     up to 8192 keys (1.01-1.06x at 16k keys); tile rows at B 32/128 x 4k/16k 0.42-0.56x the
-    widening narrow kernel's time; 32 rows (s_q 2) at B 1-128 x 4k/16k 0.51-0.95x the seesaw's.
-    Those seesaw times predate its FP8 producer warpgroup (0.72-0.80x the old time at 128 heads;
-    not re-measured at 16-32 rows).
+    widening narrow kernel's time; 32 rows (s_q 2) at B 1-128 x 4k/16k 0.51-0.95x the seesaw's,
+    measured at 9f0aff3, whose seesaw widened FP8 rows in its warpgroups: the producer
+    warpgroup it has now takes 0.72-0.80x that time at 128 heads, and is not measured against
+    the e4m3 kernel at 16-32 rows.
     The rest: ``use_gluon``, then ``use_narrow``."""
     if not use_gluon(q, kv_cache, head_dim_v):
         return "portable"
