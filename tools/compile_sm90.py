@@ -194,10 +194,12 @@ KERNELS = {
     "fp8": lambda a: fp8_kernel(block_b=a.block_b, partials=a.partials),
     "fp8tile": lambda a: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
     "seesaw": lambda a: seesaw_kernel(block_b=a.block_b, partials=a.partials),
+    "seesaw-f32": lambda a: seesaw_kernel(block_b=a.block_b, partials="fp32"),     # float32 partials, from registers
     "seesaw-fp8": lambda a: seesaw_fp8_kernel(block_b=a.block_b),
     "seesaw-fp8tile": lambda a: seesaw_fp8_kernel(tile=True, block_b=a.block_b),
     "narrow": lambda a: narrow_kernel(block_b=a.block_b),
     "sparse": lambda a: sparse_kernel(partials=a.partials),
+    "sparse-f32": lambda a: sparse_kernel(partials="fp32", BN=32),                 # splits, 32-key tiles
     "portable": lambda a: portable_kernel(),
     "portable-page16": lambda a: portable_kernel(page_tile=False),
     "portable-fp8": lambda a: portable_kernel(kv="fp8"),

@@ -115,42 +115,43 @@ class SeesawSmem:
 
 @aggregate
 class SeesawWork:
-    """One program's share: 64 query rows, one split's keys, and where its result goes."""
-    Q: gl.tensor                # the query rows: Q + q_base + i * stride_qi + h * stride_qh for row m = i H + h
+    """One program's share: 64 query rows, one split's keys, and where its result goes. Row
+    m = i H + h of the program's 64 (from ml) is query token i, head h: at Q + q_base +
+    i stride_qi + h stride_qh, its output at O + o_base + i stride_oi + h stride_oh and its lse at
+    LSE + l_base + i stride_li + h (O, LSE: out and lse with one split, else the split's
+    partials). Its keys: start .. end of the sequence's seqlen, in n_tiles tiles."""
+    Q: gl.tensor
+    O: gl.tensor
+    LSE: gl.tensor
     q_base: gl.tensor
+    o_base: gl.tensor
+    l_base: gl.tensor
+    ml: gl.tensor
+    seqlen: IntArg
+    start: gl.tensor
+    end: gl.tensor
+    n_tiles: gl.tensor
     H: IntArg
     S_Q: IntArg
     stride_qi: IntArg
     stride_qh: IntArg
-    ml: gl.tensor               # the first of the 64 rows
-    seqlen: IntArg              # the sequence's length, and the keys start .. end of this split, in n_tiles tiles
-    start: gl.tensor
-    end: gl.tensor
-    n_tiles: gl.tensor
-    qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
-    v_scale: IntArg               # kv_scale for FP8 rows (the output's), else 1
-    O: gl.tensor                # out (one split) or the split's partials, rows as Q's
-    LSE: gl.tensor
-    o_base: gl.tensor
-    l_base: gl.tensor
     stride_oi: IntArg
     stride_oh: IntArg
     stride_li: IntArg
+    qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
+    v_scale: IntArg             # kv_scale for FP8 rows (the output's), else 1
     o_desc: tensor_descriptor   # out's TMA descriptor (TMA_OUT), and the program's first row there
     o_row0: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, Q, q_base, H, S_Q, stride_qi, stride_qh, ml, seqlen, start, end, n_tiles, qk_scale, v_scale,
-                 O, LSE, o_base, l_base, stride_oi, stride_oh, stride_li, o_desc, o_row0):
-        H, S_Q, stride_qi, stride_qh, seqlen, v_scale = (constant(x) for x in (H, S_Q, stride_qi, stride_qh, seqlen,
-                                                                                v_scale))
-        stride_oi, stride_oh, stride_li = constant(stride_oi), constant(stride_oh), constant(stride_li)
-        self.Q, self.q_base, self.H, self.S_Q, self.stride_qi, self.stride_qh = Q, q_base, H, S_Q, stride_qi, stride_qh
-        self.ml, self.seqlen, self.start, self.end, self.n_tiles = ml, seqlen, start, end, n_tiles
-        self.qk_scale, self.v_scale = qk_scale, v_scale
-        self.O, self.LSE, self.o_base, self.l_base = O, LSE, o_base, l_base
-        self.stride_oi, self.stride_oh, self.stride_li = stride_oi, stride_oh, stride_li
-        self.o_desc, self.o_row0 = o_desc, o_row0
+    def __init__(self, Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi,
+                 stride_qh, stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc, o_row0):
+        self.Q, self.O, self.LSE, self.q_base, self.o_base, self.l_base = Q, O, LSE, q_base, o_base, l_base
+        self.ml, self.seqlen, self.start, self.end, self.n_tiles = ml, constant(seqlen), start, end, n_tiles
+        self.H, self.S_Q, self.stride_qi, self.stride_qh = constant(H), constant(S_Q), constant(stride_qi), \
+            constant(stride_qh)
+        self.stride_oi, self.stride_oh, self.stride_li = constant(stride_oi), constant(stride_oh), constant(stride_li)
+        self.qk_scale, self.v_scale, self.o_desc, self.o_row0 = qk_scale, constant(v_scale), o_desc, o_row0
 
 
 @gluon.constexpr_function
@@ -579,8 +580,8 @@ def _seesaw_kernel(
 
     o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    wk = SeesawWork(Q, q_base, H, S_Q, stride_qi, stride_qh, ml, seqlen, start, end, n_tiles, qk_scale, v_scale,
-                    O, LSE, o_base, l_base, stride_oi, stride_oh, stride_li, o_desc,
+    wk = SeesawWork(Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh,
+                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc,
                     p * (H * S_Q) + ml)     # one split: p is b
     if KV_FMT == 0:
         gl.warp_specialize([

@@ -63,9 +63,9 @@ def _sparse_kernel(
     # token t is a "sequence" of one query row a head (s_q 1: no stride between query tokens) whose
     # keys are its index list: its "length" is the split's end (no causal mask); rows in q's dtype
     # (v_scale 1)
-    wk = SeesawWork(Q, t64 * stride_qn, H, 1, 0, stride_qh, ml, end, start, end, n_tiles, qk_scale, 1.0,
-                    O, LSE, split.to(gl.int64) * stride_os + t64 * stride_on,
-                    split.to(gl.int64) * stride_ls + t64 * stride_ln, 0, stride_oh, 0, o_desc, t * H + ml)
+    wk = SeesawWork(Q, O, LSE, t64 * stride_qn, split.to(gl.int64) * stride_os + t64 * stride_on,
+                    split.to(gl.int64) * stride_ls + t64 * stride_ln, ml, end, start, end, n_tiles, H, 1, 0, stride_qh,
+                    0, stride_oh, 0, qk_scale, 1.0, o_desc, t * H + ml)
     gl.warp_specialize([
         (_wg0, (sm, wk, False, 0, TMA_OUT, sp)),
         (_wg1, (sm, wk, False, 0, TMA_OUT, sp)),
