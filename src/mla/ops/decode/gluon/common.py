@@ -269,6 +269,39 @@ def loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc
 
 
 @aggregate
+class SplitShare:
+    """A program's split of one sequence's keys and where its result goes, in the narrow and FP8
+    kernels (two warpgroups over alternate tiles, merged by warpgroup 0): query row r = i H + h
+    writes O + o_base + i stride_oi + h stride_oh and LSE + l_base + i stride_li + h (O, LSE: out
+    and lse with one split, else the split's partials); its keys are start .. end of seqlen, in
+    n_tiles tiles; scores are scaled by qk_scale (to base 2) and the output by v_scale."""
+    O: gl.tensor
+    LSE: gl.tensor
+    o_base: gl.tensor
+    l_base: gl.tensor
+    seqlen: IntArg
+    start: gl.tensor
+    end: gl.tensor
+    n_tiles: gl.tensor
+    H: IntArg
+    S_Q: IntArg
+    stride_oi: IntArg
+    stride_oh: IntArg
+    stride_li: IntArg
+    qk_scale: gl.tensor
+    v_scale: IntArg
+
+    @gluon.constexpr_function
+    def __init__(self, O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
+                 qk_scale, v_scale):
+        self.O, self.LSE, self.o_base, self.l_base = O, LSE, o_base, l_base
+        self.seqlen, self.start, self.end, self.n_tiles = constant(seqlen), start, end, n_tiles
+        self.H, self.S_Q = constant(H), constant(S_Q)
+        self.stride_oi, self.stride_oh, self.stride_li = constant(stride_oi), constant(stride_oh), constant(stride_li)
+        self.qk_scale, self.v_scale = qk_scale, constant(v_scale)
+
+
+@aggregate
 class Gathered:
     """Gathered keys (sparse attention): a program's index list and the attention sink."""
     idx_row: gl.tensor      # the token's indices (flat cache slots, -1 = none)

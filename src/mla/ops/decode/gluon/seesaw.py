@@ -395,7 +395,7 @@ def _wg1(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constex
     qpe = _load_q_half(wk, sm.q_smem, sm.q_bar, 1, S_L)
     limit, full_to = _limits(wk, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
-    if sp is not None:     # WG0 counts the sink's weight; both wk.start from its reference
+    if sp is not None:     # WG0 counts the sink's weight; both start from its reference
         m_prev = sink_start(sp, wk.ml, wk.H, ROW_L)
     else:
         m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
@@ -408,7 +408,7 @@ def _wg1(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constex
         n1 = wk.start + (2 * i + 1) * BN
         has1 = 2 * i + 1 < wk.n_tiles
         if sp is not None:
-            ok = key_mask(sp, n1, wk.end, gl.SliceLayout(0, S_L), BN)      # none past wk.end
+            ok = key_mask(sp, n1, wk.end, gl.SliceLayout(0, S_L), BN)      # none past end
         else:
             ok = None
         if has1:
@@ -447,7 +447,7 @@ def _wg1(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constex
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(sm.empty.index(2 * b1 + 1), count=1)
     l_tot = _add_other_l(l_i, sm.stats[5], sm.stats[4], sm.l_bar, ROW_L)
-    m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the wk.LSE
+    m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
     _store_out(wk, sm.q_smem, acc, m_i, l_tot, 256, False, TMA_OUT, S_L, ACC_L)
 
 
