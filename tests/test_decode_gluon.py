@@ -196,10 +196,15 @@ def test_fp8_rows_splits_fp16_page128(kv_fmt):
     check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, kv_fmt=kv_fmt, causal=False)
 
 
-@pytest.mark.parametrize("kv_fmt", ["plain", "fp8", "fp8_tile"])
-@pytest.mark.parametrize("H,s_q", [(16, 1), (16, 2), (1, 1), (3, 4), (7, 2), (5, 3)])
+_NARROW_SHAPES = [(16, 1), (16, 2), (1, 1), (3, 4), (7, 2), (5, 3)]    # 16, 32, 1 and odd row counts
+
+
+@pytest.mark.parametrize("kv_fmt,H,s_q", [("plain", H, s_q) for H, s_q in _NARROW_SHAPES]
+                         + [(fmt, H, s_q) for fmt in ("fp8", "fp8_tile") for H, s_q in _NARROW_SHAPES[:4]])
 def test_narrow(kv_fmt, H, s_q):
-    """The swap-AB kernel for H * s_q <= 32 rows (32 rows over tile rows: not taken)."""
+    """The swap-AB kernel for H * s_q <= 32 rows (32 rows over tile rows: not taken): every row
+    count on bf16 rows; on FP8 rows 16, 32, 1 and one odd count (the widening is per key, not
+    per row)."""
     q = torch.empty(1, s_q, H, DV + DR, device="cuda")
     if not dn.narrow_rows(q, torch.empty(1, 1, 1, dtype=quant.storage_dtype(kv_fmt, torch.bfloat16))):
         assert kv_fmt == "fp8_tile" and H * s_q > 16
@@ -285,12 +290,14 @@ def test_dispatch_picks_narrow_for_16_rows_from_batch_2(batch):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-@pytest.mark.parametrize("batch,max_len,kernel", [(32, 3000, "fp8"), (4, 4096, "fp8"), (1, 16384, "fp8"),
-                                                  (2, 3000, "portable"), (1, 1000, "portable")])
-def test_dispatch_of_fp8_rows(batch, max_len, kernel):
+@pytest.mark.parametrize("batch,max_len,kernel,launch", [(32, 3000, "fp8", False), (4, 4096, "fp8", True),
+                                                         (1, 16384, "fp8", False), (2, 3000, "portable", True),
+                                                         (1, 1000, "portable", False)])
+def test_dispatch_of_fp8_rows(batch, max_len, kernel, launch):
     """FP8 rows with at most 16 query rows: the e4m3 kernel at any batch above
     ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; 32 rows the
-    e4m3 kernel; the op gives the chosen kernel's bits, for per-tensor and tile rows."""
+    e4m3 kernel (the rule at five batches and capacities); the op gives the chosen kernel's bits,
+    for per-tensor and tile rows (launch: once for each kernel)."""
     import mla
     from mla.ops import decode
     g = torch.Generator().manual_seed(6 + batch)
@@ -307,6 +314,8 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     kvt = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8_tile", DV).view(*kv.shape[:2], -1)
     for cache in (kv8, kvt):
         assert decode.choose_kernel(q, cache, DV, cap) == kernel
+        if not launch:
+            continue
         out, lse = mla.ops.mla_decode(q, cache, table, seqlens, DV, 0.1)
         if kernel == "fp8":
             ref_out, ref_lse = df.launch(q, cache, table, seqlens, DV, 0.1)
