@@ -11,7 +11,7 @@ DEPS := torch==2.13.0 "numpy<2.4" triton==3.6.0 transformers==5.17.0 pytest pyte
 SERVE_DEPS := fastapi==0.165.0 uvicorn==0.55.0 openai==3.60.0 pydantic==2.14.4 starlette==1.10.0 rich==15.0.0 \
 	accelerate==1.16.0 httpx==0.29.0
 
-.PHONY: demo test setup clean device-site
+.PHONY: demo test test-gpu test-gpu-quick setup clean device-site
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -26,6 +26,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 tests
+
+# On a GPU machine, with its own python3 (torch, triton, pytest, pytest-xdist; no venv): the whole
+# suite, with the slowest tests listed, and the quick subset for kernel work (every kernel test once,
+# tests/conftest.py). PYTHON=... picks another interpreter; a PYTHONPATH already set (carried
+# wheels) stays behind src.
+GPU_WORKERS ?= 8
+test-gpu:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) --durations=25 tests
+
+test-gpu-quick:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) -m quick tests
 
 # pytest-xdist for the GPU machine, which has pytest but no xdist and no network: carry
 # build/device-site and put it on PYTHONPATH there (`pytest -n 8` runs the GPU tests ~2x faster)

@@ -28,3 +28,21 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-steps", type=int, default=150,
                      help="random operations per case of tests/test_cache_fuzz.py (CI: the default; "
                           "a long run: e.g. --fuzz-steps 20000)")
+
+
+# The quick subset (``pytest -m quick``, ``make test-gpu-quick``): every test function of the
+# kernel tests once, with its first parameter set, so that each kernel, row format and property
+# (NaN pages, shuffled tables, zero lengths, odd heads where a function's first case has them)
+# runs on one case; the whole suite runs every case.
+KERNEL_TESTS = {"test_decode_gluon.py", "test_decode_kernel.py", "test_sparse_gpu.py", "test_sparse.py",
+                "test_prefill_ops.py", "test_fp8_gemm.py", "test_fp8.py", "test_rms_norm.py", "test_hostile.py",
+                "test_op_validation.py", "test_split_plan.py", "test_compile.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    seen = set()
+    for item in items:
+        key = (item.path.name, getattr(item, "originalname", item.name))
+        if item.path.name in KERNEL_TESTS and key not in seen:
+            seen.add(key)
+            item.add_marker(pytest.mark.quick)

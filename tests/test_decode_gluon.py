@@ -106,8 +106,11 @@ def fp8_mma_lse_bound(q, kv, table, seqlens, scale, bits=13, steps=18):
     return bound * scale * steps * 2.0 ** -bits
 
 
-@pytest.mark.parametrize("block_n", TILES)
-@pytest.mark.parametrize("H,s_q", [(16, 1), (16, 4), (64, 2), (128, 1), (128, 3), (3, 2), (63, 4)])
+# every head count and query count on the ring of two 64-key tiles; on the ring of four 32-key
+# tiles the cases that differ for it (a single row, several queries, odd heads, 128 x 3 rows)
+@pytest.mark.parametrize("H,s_q,block_n", [(16, 1, 64), (16, 4, 64), (64, 2, 64), (128, 1, 64), (128, 3, 64),
+                                           (3, 2, 64), (63, 4, 64), (16, 1, 32), (128, 3, 32), (3, 2, 32),
+                                           (63, 4, 32)])
 def test_heads_sq(H, s_q, block_n):
     # length 0, == s_q, 1, a partial tail, several pages
     check([0, s_q, 1, 700, 4099, 2048], s_q, H, seed=H * 10 + s_q, block_n=block_n)
@@ -121,8 +124,7 @@ def test_varlen_1_to_20000(block_n):
     check(lens[:8], 1, 128, seed=6, block_n=block_n)
 
 
-@pytest.mark.parametrize("block_n", TILES)
-@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("splits,block_n", [(1, 64), (3, 64), (40, 64), (1, 32), (40, 32)])
 def test_explicit_splits_and_empty_splits(splits, block_n):
     # 40 splits of short sequences: many splits are empty (lse -inf, weight 0 in the combine)
     check([5, 130, 1000], 2, 16, seed=splits, num_splits=splits, block_n=block_n)
@@ -194,10 +196,15 @@ def test_fp8_rows_splits_fp16_page128(kv_fmt):
     check([3, 1500, 257], 2, 16, block_size=128, dtype=torch.float16, seed=1, kv_fmt=kv_fmt, causal=False)
 
 
-@pytest.mark.parametrize("kv_fmt", ["plain", "fp8", "fp8_tile"])
-@pytest.mark.parametrize("H,s_q", [(16, 1), (16, 2), (1, 1), (3, 4), (7, 2), (5, 3)])
+_NARROW_SHAPES = [(16, 1), (16, 2), (1, 1), (3, 4), (7, 2), (5, 3)]    # 16, 32, 1 and odd row counts
+
+
+@pytest.mark.parametrize("kv_fmt,H,s_q", [("plain", H, s_q) for H, s_q in _NARROW_SHAPES]
+                         + [(fmt, H, s_q) for fmt in ("fp8", "fp8_tile") for H, s_q in _NARROW_SHAPES[:4]])
 def test_narrow(kv_fmt, H, s_q):
-    """The swap-AB kernel for H * s_q <= 32 rows (32 rows over tile rows: not taken)."""
+    """The swap-AB kernel for H * s_q <= 32 rows (32 rows over tile rows: not taken): every row
+    count on bf16 rows; on FP8 rows 16, 32, 1 and one odd count (the widening is per key, not
+    per row)."""
     q = torch.empty(1, s_q, H, DV + DR, device="cuda")
     if not dn.narrow_rows(q, torch.empty(1, 1, 1, dtype=quant.storage_dtype(kv_fmt, torch.bfloat16))):
         assert kv_fmt == "fp8_tile" and H * s_q > 16
@@ -283,12 +290,14 @@ def test_dispatch_picks_narrow_for_16_rows_from_batch_2(batch):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-@pytest.mark.parametrize("batch,max_len,kernel", [(32, 3000, "fp8"), (4, 4096, "fp8"), (1, 16384, "fp8"),
-                                                  (2, 3000, "portable"), (1, 1000, "portable")])
-def test_dispatch_of_fp8_rows(batch, max_len, kernel):
+@pytest.mark.parametrize("batch,max_len,kernel,launch", [(32, 3000, "fp8", False), (4, 4096, "fp8", True),
+                                                         (1, 16384, "fp8", False), (2, 3000, "portable", True),
+                                                         (1, 1000, "portable", False)])
+def test_dispatch_of_fp8_rows(batch, max_len, kernel, launch):
     """FP8 rows with at most 16 query rows: the e4m3 kernel at any batch above
     ``FP8_PORTABLE_KEYS`` keys (the table's capacity), the portable kernel up to it; 32 rows the
-    e4m3 kernel; the op gives the chosen kernel's bits, for per-tensor and tile rows."""
+    e4m3 kernel (the rule at five batches and capacities); the op gives the chosen kernel's bits,
+    for per-tensor and tile rows (launch: once for each kernel)."""
     import mla
     from mla.ops import decode
     g = torch.Generator().manual_seed(6 + batch)
@@ -305,6 +314,8 @@ def test_dispatch_of_fp8_rows(batch, max_len, kernel):
     kvt = quant.quantize_rows(kv.view(-1, DV + DR).float(), "fp8_tile", DV).view(*kv.shape[:2], -1)
     for cache in (kv8, kvt):
         assert decode.choose_kernel(q, cache, DV, cap) == kernel
+        if not launch:
+            continue
         out, lse = mla.ops.mla_decode(q, cache, table, seqlens, DV, 0.1)
         if kernel == "fp8":
             ref_out, ref_lse = df.launch(q, cache, table, seqlens, DV, 0.1)

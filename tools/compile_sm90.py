@@ -2,11 +2,14 @@
 registers, spills, shared memory, and the shared-memory, shuffle, conversion and MMA
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
-    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,seesaw-fp8,seesaw-fp8tile,narrow,sparse}
+    PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,seesaw-fp8,seesaw-fp8tile,narrow,sparse,
+                                                  portable,portable-page16,portable-fp8,portable-tile,portable-fp32}
         [--block-b 32] [--partials bf16]
 
 Each kernel is compiled from the module as it is (no source edits), with the constexprs a
-launch at 16 heads (FP8, narrow) or 128 heads (seesaw, its FP8 rows), page 64, would give it.
+launch at 16 heads (FP8, narrow) or 128 heads (seesaw, its FP8 rows), page 64, would give it
+(the portable kernel: 64 query rows, page 64 or, for -page16 and the tile and fp32 rows, a
+page the key tile does not divide).
 The counts are the whole kernel's: a warp-specialized kernel's partitions follow one another
 in the SASS, each after its USETMAXREG.
 """
@@ -161,19 +164,57 @@ def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64):
     return compile_gluon(m._sparse_kernel, sig, cx, aligned, maxnreg=168)
 
 
+def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True):
+    """the portable Triton kernel (or that of another module with the same kernel) on bf16 queries
+    over rows of kv ("bf16", "fp8" per-tensor, "tile" FP8 tile rows; "fp32": float32 queries and
+    rows), 64-row and 64-key tiles, 8 warps; page_tile: pages a multiple of the key tile."""
+    from triton.compiler import ASTSource
+
+    if m is None:
+        from mla.ops.decode import portable as m
+    fn = m._decode_split_kernel
+    names = list(fn.arg_names)
+    ints = ["stride_qb", "stride_qi", "stride_qh", "stride_kv_blk", "stride_kv_row", "stride_bt", "stride_os",
+            "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "B", "DV", "DR",
+            "block_size", "num_blocks", "max_len", "num_splits"]
+    q, rows = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8e4nv"), "tile": ("bf16", "u8"),
+               "fp32": ("fp32", "fp32")}[kv]
+    sig = {n: "constexpr" for n in names}
+    sig.update({k: "i32" for k in ints})
+    sig.update({"Q": "*" + q, "KV": "*" + rows, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
+                "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32"})
+    cx = dict(CAUSAL=True, IEEE=kv == "fp32", PAGE_TILE=page_tile, KV_FMT={"fp8": 1, "tile": 2}.get(kv, 0),
+              KEEP_NAN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_B=BLOCK_B)
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
+
+
+# every kernel by name, as launched (the names of the command line and of tools/ptx_diff.py)
+KERNELS = {
+    "fp8": lambda a: fp8_kernel(block_b=a.block_b, partials=a.partials),
+    "fp8tile": lambda a: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
+    "seesaw": lambda a: seesaw_kernel(block_b=a.block_b, partials=a.partials),
+    "seesaw-f32": lambda a: seesaw_kernel(block_b=a.block_b, partials="fp32"),     # float32 partials, from registers
+    "seesaw-fp8": lambda a: seesaw_fp8_kernel(block_b=a.block_b),
+    "seesaw-fp8tile": lambda a: seesaw_fp8_kernel(tile=True, block_b=a.block_b),
+    "narrow": lambda a: narrow_kernel(block_b=a.block_b),
+    "sparse": lambda a: sparse_kernel(partials=a.partials),
+    "sparse-f32": lambda a: sparse_kernel(partials="fp32", BN=32),                 # splits, 32-key tiles
+    "portable": lambda a: portable_kernel(),
+    "portable-page16": lambda a: portable_kernel(page_tile=False),
+    "portable-fp8": lambda a: portable_kernel(kv="fp8"),
+    "portable-tile": lambda a: portable_kernel(kv="tile", page_tile=False),
+    "portable-fp32": lambda a: portable_kernel(kv="fp32", page_tile=False),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["fp8", "fp8tile", "seesaw", "seesaw-fp8", "seesaw-fp8tile", "narrow", "sparse"])
+    p.add_argument("kernel", choices=list(KERNELS))
     p.add_argument("--block-b", type=int, default=BLOCK_B, help="the plan's vector width (decode.block_b(B))")
     p.add_argument("--partials", default=PARTIALS, choices=["bf16", "fp32"], help="the partial outputs' dtype")
     a = p.parse_args()
-    k = {"fp8": lambda: fp8_kernel(block_b=a.block_b, partials=a.partials),
-         "fp8tile": lambda: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
-         "seesaw": lambda: seesaw_kernel(block_b=a.block_b, partials=a.partials),
-         "seesaw-fp8": lambda: seesaw_fp8_kernel(block_b=a.block_b),
-         "seesaw-fp8tile": lambda: seesaw_fp8_kernel(tile=True, block_b=a.block_b),
-         "narrow": lambda: narrow_kernel(block_b=a.block_b),
-         "sparse": lambda: sparse_kernel(partials=a.partials)}[a.kernel]()
+    k = KERNELS[a.kernel](a)
     usage, ops = sass_counts(k)
     print(f"shared {k.metadata.shared} B; {usage}")
     print(dict(sorted(ops.items())))

@@ -8,18 +8,19 @@ last dimension; a query with no visible key gets ``out = 0`` and ``lse = -inf``.
 
 The "triton" backend of each op family is a module or package here (``decode``, ``prefill``, ``norm``,
 ``merge``, ``cache_append``, ``gather``, ``fp8_gemm``, ``indexer``, ``sparse_attention``),
-imported on first use (Triton is optional); where a family has several kernels, its own dispatch chooses among them.
+imported where it first runs (Triton is optional); where a family has several kernels, its own
+``choose_kernel`` chooses among them.
 
 Each wrapper checks its arguments' types, shapes, dtypes and devices, then calls its op
 registered with ``torch.library`` (``torch.ops.mla.<name>``, ``_library.py``), which checks the
-values of CPU index tensors, dispatches and runs. The wrappers read no tensor values, so they
+values of CPU index tensors, picks the kernel or the reference (``backend.use_kernels``, then
+the inputs the kernel module serves) and calls it: a reader follows
+``mla_decode`` -> ``_library.mla_decode`` -> ``decode.mla_decode`` -> ``decode.choose_kernel``
+-> ``gluon.seesaw.launch`` (say) by plain calls. The wrappers read no tensor values, so they
 trace under ``torch.compile(fullgraph=True)``: the checks run once at trace time on FakeTensors,
 the value checks whenever the op runs.
 """
 from __future__ import annotations
-
-import importlib
-from typing import Callable
 
 import torch
 
@@ -28,49 +29,11 @@ from . import _library, reference
 from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_int, check_int_vector,
                       check_latent_query_cache,
                       dense, describe, offsets_ok)
+from .backend import resolve_backend, triton_available
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
-
-BACKENDS = ("torch", "triton")
-# op -> the module (under mla.ops) of its "triton" backend
-_TRITON_MODULES = {"mla_decode": "decode", "prefill_attention": "prefill", "merge_attention": "merge",
-                   "rms_norm": "norm", "rms_norm_pair": "norm", "rope": "cache_append", "rope_append": "cache_append",
-                   "gather_latent": "gather",
-                   "quantize_act_1x128": "fp8_gemm", "fp8_linear": "fp8_gemm", "fp8_bmm": "fp8_gemm",
-                   "sparse_mla_decode": "sparse_attention", "sparse_prefill_attention": "sparse_attention",
-                   "indexer_logits": "indexer", "topk_indices": "indexer"}
-
-
-@torch.compiler.assume_constant_result   # torch.compile takes the answer at trace time (no import traced)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The backend an op runs on: an explicit choice, or the default for the device."""
-    if backend is None:
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and not triton_available():
-        raise ValueError("backend: 'triton' requested but triton is not installed")
-    return backend
-
-
-def _impl(op: str, backend: str | None, device: torch.device, cache_format: str = "plain", args: tuple = ()) -> Callable:
-    """The implementation of an op. A kernel declares the cache formats it reads in a
-    ``cache_formats`` attribute (default: plain rows only) and may declare a ``takes(*args)``
-    predicate (the inputs it serves); for any other input the reference serves, on any device."""
-    if resolve_backend(backend, device) == "torch":
-        return getattr(reference, op)
-    fn = getattr(importlib.import_module(f".{_TRITON_MODULES[op]}", __name__), op)
-    if cache_format not in getattr(fn, "cache_formats", ("plain",)):
-        return getattr(reference, op)
-    if hasattr(fn, "takes") and not fn.takes(*args):
-        return getattr(reference, op)
-    return fn
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True, *,

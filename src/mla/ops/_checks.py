@@ -127,7 +127,7 @@ def describe(t) -> str:
 
 def check_interpretable(op: str, is_reference: bool, device: torch.device, *tensors: torch.Tensor) -> None:
     """Triton's interpreter (3.6 to 3.9) computes ``tl.dot`` on bfloat16 operands wrongly: refuse the
-    kernels on CPU bf16 tensors rather than return garbage (DESIGN.md section 5)."""
+    kernels on CPU bf16 tensors rather than return garbage (docs/kernels.md, compiler facts)."""
     check(device.type != "cpu" or is_reference or all(t.dtype != torch.bfloat16 for t in tensors),
           lambda: f"backend: expected 'torch' for bfloat16 {op} on CPU (Triton's interpreter computes bfloat16 dot "
           "products wrongly; its kernels run float32 and float16 there)")

@@ -16,7 +16,13 @@ from triton.runtime.jit import JITFunction
 
 from ..quant import CACHE_FORMATS, cache_format
 
-__all__ = ["jit", "kv_fmt", "num_sms", "sm_major", "INTERPRETER_BROKEN"]
+__all__ = ["jit", "kv_fmt", "num_sms", "sm_major", "INTERPRETER_BROKEN", "LOG2E", "KERNEL_LOG2E", "LN2"]
+
+# The attention kernels compute the softmax in base 2 (exp2, log2: one instruction each): the
+# host folds log2(e) into the scale it passes, and a natural-log LSE is the base-2 one times ln 2.
+LOG2E = 1.4426950408889634                  # log2(e), for the host
+KERNEL_LOG2E = triton.language.constexpr(LOG2E)     # the same, for a kernel (a sink logit to base 2)
+LN2 = triton.language.constexpr(0.6931471805599453)  # ln(2) = 1 / log2(e), for a kernel
 
 _interpreted_library: dict = {}
 

@@ -3,8 +3,11 @@ CUDA graphs see each one as a single opaque call with known output shapes.
 
 Each op here is the body a public wrapper in ``mla.ops`` runs after its argument checks: the
 checks that read tensor *values* (lengths, block ids, offsets, slots; CPU tensors only), then
-the one dispatch (``mla.ops._impl``), the checks that depend on its choice (bfloat16 kernels
-refused under Triton's interpreter), and the kernel or reference call. The value checks live in
+the choice between the op's kernel module and the reference (``backend.use_kernels``, then the
+inputs the module serves: its ``CACHE_FORMATS`` and the like), the checks that depend on that
+choice (bfloat16 kernels refused under Triton's interpreter), and the kernel or reference call.
+Kernel modules are imported inside the op that runs them: Triton is optional, and ``import mla``
+does not compile or import any kernel. The value checks live in
 the op rather than in the wrapper because the wrapper also runs while ``torch.compile`` traces,
 on FakeTensors that hold no values; inside the op they run whenever the op runs, eagerly or
 from a compiled graph, before anything is written. Each op has a fake implementation that
@@ -26,6 +29,7 @@ from .. import quant
 from . import reference
 from ._checks import (check, check_apart, check_gather_values, check_index_values, check_interpretable,
                       check_paged_values, check_writable, host_offsets)
+from .backend import use_kernels
 
 __all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
@@ -69,12 +73,6 @@ def _direct(args) -> bool:
     return True
 
 
-def _pick(op: str, backend: Optional[str], device: torch.device, cache_format: str = "plain", args: tuple = ()):
-    # mla.ops imports this module at its top, and defines _impl (the one dispatch) before any op runs
-    from . import _impl
-    return _impl(op, backend, device, cache_format, args)
-
-
 def _fresh(*tensors: Tensor):
     """Outputs as the fake implementations describe them: contiguous (a no-op for most kernels;
     the reference's partial-group quantization returns a column slice of a padded buffer)."""
@@ -89,13 +87,15 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
                pdl: bool) -> Tuple[Tensor, Tensor]:
     check_paged_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
     fmt = quant.cache_format(kv_cache)
-    impl = _pick("mla_decode", backend, q.device, fmt)
-    check_interpretable("mla_decode", impl is reference.mla_decode, q.device, q, kv_cache)
-    options = {} if impl is reference.mla_decode else {"pdl": pdl}
-    if fmt == "plain":
-        return _fresh(*impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, **options))
-    return _fresh(*impl(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale,
-                        **options))
+    kv_scale = 1.0 if fmt == "plain" else kv_scale      # plain rows hold the values themselves
+    if use_kernels(backend, q.device):
+        from . import decode
+        if fmt in decode.CACHE_FORMATS:
+            check_interpretable("mla_decode", False, q.device, q, kv_cache)
+            return _fresh(*decode.mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                                             causal, kv_scale, pdl=pdl))
+    return _fresh(*reference.mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                        kv_scale))
 
 
 @mla_decode.register_fake
@@ -123,8 +123,7 @@ def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_
                 offsets_q, offsets_k, backend, kernel, workspace):
     """The body of ``mla::prefill_attention``; called directly (outside torch.library) with a
     FlashInfer workspace object, which no op schema can hold."""
-    impl = _pick("prefill_attention", backend, q.device)
-    is_reference = impl is reference.prefill_attention
+    is_reference = not use_kernels(backend, q.device)
     check_interpretable("prefill_attention", is_reference, q.device, q, k, v)
     check(kernel is None or not is_reference,
           lambda: f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
@@ -140,15 +139,21 @@ def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_
         max_seqlen_q = max(b - a for a, b in zip(offsets_q, offsets_q[1:])) if B else 0
     if offsets_k is not None and max_seqlen_k is None:
         max_seqlen_k = max(b - a for a, b in zip(offsets_k, offsets_k[1:])) if B else 0
-    options = {} if is_reference else {"kernel": kernel, "workspace": workspace}
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q, max_seqlen_k,
-                offsets_q, offsets_k, **options)
+    if is_reference:
+        return reference.prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
+                                           max_seqlen_k, offsets_q, offsets_k)
+    from . import prefill
+    return prefill.prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
+                                     max_seqlen_k, offsets_q, offsets_k, kernel=kernel, workspace=workspace)
 
 
 @_op("mla::merge_attention", mutates_args=())
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
                     backend: Optional[str]) -> Tuple[Tensor, Tensor]:
-    return _fresh(*_pick("merge_attention", backend, out_a.device)(out_a, lse_a, out_b, lse_b))
+    if use_kernels(backend, out_a.device):
+        from . import merge
+        return _fresh(*merge.merge_attention(out_a, lse_a, out_b, lse_b))
+    return _fresh(*reference.merge_attention(out_a, lse_a, out_b, lse_b))
 
 
 @merge_attention.register_fake
@@ -159,7 +164,11 @@ def _(out_a, lse_a, out_b, lse_b, backend):
 
 @_op("mla::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: Optional[str]) -> Tensor:
-    return _fresh(_pick("rms_norm", backend, x.device, args=(x, weight, eps))(x, weight, eps))[0]
+    if use_kernels(backend, x.device):
+        from . import norm
+        if x.shape[-1] <= norm.MAX_COLUMNS:
+            return _fresh(norm.rms_norm(x, weight, eps))[0]
+    return _fresh(reference.rms_norm(x, weight, eps))[0]
 
 
 @rms_norm.register_fake
@@ -170,8 +179,11 @@ def _(x, weight, eps, backend):
 @_op("mla::rms_norm_pair", mutates_args=())
 def rms_norm_pair(x1: Tensor, weight1: Tensor, eps1: float, x2: Tensor, weight2: Tensor, eps2: float,
                   backend: Optional[str]) -> Tuple[Tensor, Tensor]:
-    args = (x1, weight1, eps1, x2, weight2, eps2)
-    return _fresh(*_pick("rms_norm_pair", backend, x1.device, args=args)(*args))
+    if use_kernels(backend, x1.device):
+        from . import norm
+        if max(x1.shape[-1], x2.shape[-1]) <= norm.MAX_COLUMNS:
+            return _fresh(*norm.rms_norm_pair(x1, weight1, eps1, x2, weight2, eps2))
+    return _fresh(*reference.rms_norm_pair(x1, weight1, eps1, x2, weight2, eps2))
 
 
 @rms_norm_pair.register_fake
@@ -185,7 +197,12 @@ def _(x1, weight1, eps1, x2, weight2, eps2, backend):
 def rope(q_pe: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, interleave: bool, backend: Optional[str]) -> None:
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe)):
         check_writable(name, t)
-    _pick("rope", backend, q_pe.device, args=(q_pe, k_pe))(q_pe, k_pe, cos, sin, interleave)
+    if use_kernels(backend, q_pe.device):
+        from . import cache_append
+        if cache_append.rope_takes(q_pe, k_pe):
+            cache_append.rope(q_pe, k_pe, cos, sin, interleave)
+            return
+    reference.rope(q_pe, k_pe, cos, sin, interleave)
 
 
 @rope.register_fake
@@ -209,9 +226,14 @@ def rope_append(q_pe: Tensor, k_pe: Tensor, c_kv: Tensor, cos: Tensor, sin: Tens
             raise ValueError(f"slot_mapping: expected slots < {slots} (num_blocks * block_size) or negative "
                              f"(skipped), got {slot_mapping[bad[0]].item()} at index {bad[0]}")
     fmt = quant.cache_format(kv_cache)
-    impl = _pick("rope_append", backend, kv_cache.device, fmt, (q_pe, c_kv, kv_cache))
-    impl(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, 1.0 if fmt == "plain" else kv_scale,
-         q_out=q_out)
+    kv_scale = 1.0 if fmt == "plain" else kv_scale
+    if use_kernels(backend, kv_cache.device):
+        from . import cache_append
+        if fmt in cache_append.CACHE_FORMATS and cache_append.rope_append_takes(q_pe, c_kv, kv_cache):
+            cache_append.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale,
+                                     q_out=q_out)
+            return
+    reference.rope_append(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, q_out=q_out)
 
 
 @rope_append.register_fake
@@ -223,9 +245,10 @@ def _(q_pe, k_pe, c_kv, cos, sin, kv_cache, slot_mapping, interleave, kv_scale, 
 def gather_latent(kv_cache: Tensor, block_table: Tensor, starts: Tensor, cu_seqlens: Tensor, num_tokens: int,
                   backend: Optional[str]) -> Tensor:
     check_gather_values(block_table, starts, cu_seqlens, num_tokens, kv_cache.shape[0], kv_cache.shape[1])
-    out = _pick("gather_latent", backend, kv_cache.device, "plain")(kv_cache, block_table, starts, cu_seqlens,
-                                                                     num_tokens)
-    return out.contiguous()
+    if use_kernels(backend, kv_cache.device):
+        from . import gather
+        return gather.gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens).contiguous()
+    return reference.gather_latent(kv_cache, block_table, starts, cu_seqlens, num_tokens).contiguous()
 
 
 @gather_latent.register_fake
@@ -237,7 +260,10 @@ def _(kv_cache, block_table, starts, cu_seqlens, num_tokens, backend):
 
 @_op("mla::quantize_act_1x128", mutates_args=())
 def quantize_act_1x128(x: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
-    return _fresh(*_pick("quantize_act_1x128", backend, x.device)(x))
+    if use_kernels(backend, x.device):
+        from . import fp8_gemm
+        return _fresh(*fp8_gemm.quantize_act_1x128(x))
+    return _fresh(*reference.quantize_act_1x128(x))
 
 
 @quantize_act_1x128.register_fake
@@ -249,7 +275,10 @@ def _(x, backend):
 @_op("mla::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
                backend: Optional[str]) -> Tensor:
-    return _pick("fp8_linear", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
+    if use_kernels(backend, x.device):
+        from . import fp8_gemm
+        return fp8_gemm.fp8_linear(x, weight, weight_scale_inv, out_dtype).contiguous()
+    return reference.fp8_linear(x, weight, weight_scale_inv, out_dtype).contiguous()
 
 
 @fp8_linear.register_fake
@@ -260,7 +289,10 @@ def _(x, weight, weight_scale_inv, out_dtype, backend):
 @_op("mla::fp8_bmm", mutates_args=())
 def fp8_bmm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype: torch.dtype,
             backend: Optional[str]) -> Tensor:
-    return _pick("fp8_bmm", backend, x.device)(x, weight, weight_scale_inv, out_dtype).contiguous()
+    if use_kernels(backend, x.device):
+        from . import fp8_gemm
+        return fp8_gemm.fp8_bmm(x, weight, weight_scale_inv, out_dtype).contiguous()
+    return reference.fp8_bmm(x, weight, weight_scale_inv, out_dtype).contiguous()
 
 
 @fp8_bmm.register_fake
@@ -284,10 +316,13 @@ def indexer_logits(q: Tensor, weights: Tensor, index_cache: Tensor, block_table:
                   lambda: f"cache_seqlens: expected each sequence's keys to include its {cq[b + 1] - cq[b]} "
                           f"queries (causal), or 0 (a padding sequence: its queries see none), got {n} for "
                           f"sequence {b}")
-    impl = _pick("indexer_logits", backend, q.device)
-    check_interpretable("indexer_logits", impl is reference.indexer_logits, q.device, q, index_cache)
-    return impl(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k, softmax_scale,
-                causal).contiguous()
+    if use_kernels(backend, q.device):
+        check_interpretable("indexer_logits", False, q.device, q, index_cache)
+        from . import indexer
+        return indexer.indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k,
+                                      softmax_scale, causal).contiguous()
+    return reference.indexer_logits(q, weights, index_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_k,
+                                    softmax_scale, causal).contiguous()
 
 
 @indexer_logits.register_fake
@@ -301,8 +336,10 @@ def topk_indices(logits: Tensor, topk: int, block_table: Tensor, cu_seqlens_q: T
                  backend: Optional[str] = None) -> Tensor:
     if logits.device.type == "cpu":
         host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", logits.shape[0], "offsets_q", None)
-    impl = _pick("topk_indices", backend, logits.device)
-    return impl(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
+    if use_kernels(backend, logits.device):
+        from . import indexer
+        return indexer.topk_indices(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
+    return reference.topk_indices(logits, topk, block_table, cu_seqlens_q, block_size).contiguous()
 
 
 @topk_indices.register_fake
@@ -315,9 +352,13 @@ def sparse_mla_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, head_dim_v: 
                       kv_scale: float, attn_sink: Optional[Tensor] = None,
                       backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     check_index_values("indices", indices, kv_cache.shape[0] * kv_cache.shape[1])
-    impl = _pick("sparse_mla_decode", backend, q.device, quant.cache_format(kv_cache))
-    check_interpretable("sparse_mla_decode", impl is reference.sparse_mla_decode, q.device, q, kv_cache)
-    return _fresh(*impl(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink))
+    if use_kernels(backend, q.device):
+        from . import sparse_attention
+        if quant.cache_format(kv_cache) in sparse_attention.CACHE_FORMATS:
+            check_interpretable("sparse_mla_decode", False, q.device, q, kv_cache)
+            return _fresh(*sparse_attention.sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale,
+                                                              kv_scale, attn_sink))
+    return _fresh(*reference.sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale, attn_sink))
 
 
 @sparse_mla_decode.register_fake
@@ -331,9 +372,11 @@ def sparse_prefill_attention(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: f
                              attn_sink: Optional[Tensor] = None,
                              backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     check_index_values("indices", indices, kv.shape[0])
-    impl = _pick("sparse_prefill_attention", backend, q.device)
-    check_interpretable("sparse_prefill_attention", impl is reference.sparse_prefill_attention, q.device, q, kv)
-    return _fresh(*impl(q, kv, indices, sm_scale, d_v, attn_sink))
+    if use_kernels(backend, q.device):
+        check_interpretable("sparse_prefill_attention", False, q.device, q, kv)
+        from . import sparse_attention
+        return _fresh(*sparse_attention.sparse_prefill_attention(q, kv, indices, sm_scale, d_v, attn_sink))
+    return _fresh(*reference.sparse_prefill_attention(q, kv, indices, sm_scale, d_v, attn_sink))
 
 
 @sparse_prefill_attention.register_fake

@@ -15,7 +15,7 @@ q_pe may be the view q[..., dn:] of [T, H, dn + dr] and k_pe, c_kv views of [T, 
 A negative slot (padding) rotates but writes no cache row, and so does a slot past the pool
 (``mla.ops.rope_append`` refuses those on CPU; on CUDA they are unchecked, and never written). Rows are loaded whole (16-byte
 accesses) and split into pairs in registers; dr must be a power of two (64 in every preset;
-``rope_append.takes`` says which inputs the kernel serves, ``mla.ops`` sends the others to the
+``rope_append_takes`` says which inputs the kernel serves, the op sends the others to the
 reference), or 0 (GLM-5.3-Flash: no RoPE part, the row is c_kv alone, one program a token).
 """
 from __future__ import annotations
@@ -26,7 +26,10 @@ import triton.language as tl
 from ._jit import jit, kv_fmt
 from .fp8_gemm import nan_if_any, round_to_bf16, to_e4m3
 
-__all__ = ["rope_append", "rope"]
+__all__ = ["rope_append", "rope", "rope_takes", "rope_append_takes", "CACHE_FORMATS"]
+
+# the cache rows rope_append writes (mla.quant.cache_format): all of them
+CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
 
 
 @jit
@@ -181,10 +184,7 @@ def rope_takes(q_pe, k_pe) -> bool:
     return dr >= 2 and not dr & (dr - 1)
 
 
-rope.takes = rope_takes
-
-
-def takes(q_pe, c_kv, kv_cache) -> bool:
+def rope_append_takes(q_pe, c_kv, kv_cache) -> bool:
     """Whether the kernel serves these inputs: it splits whole rows in two (dr a power of two, or
     0: no RoPE part), and tile rows in whole 128-value tiles of unit stride."""
     dr, r = q_pe.shape[-1], c_kv.shape[-1]
@@ -192,6 +192,3 @@ def takes(q_pe, c_kv, kv_cache) -> bool:
         return False
     return kv_fmt(kv_cache) != 2 or (r % 128 == 0 and kv_cache.stride(-1) == 1)
 
-
-rope_append.cache_formats = ("plain", "fp8", "fp8_tile")
-rope_append.takes = takes

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._jit import jit
+from ._jit import LN2, jit
 
-__all__ = ["query_rows", "keep_nan", "latent_tile", "attend_tile", "finish"]
+__all__ = ["query_rows", "keep_nan", "latent_tile", "tile_scores", "softmax_step", "attend_tile", "finish"]
 
 
 @jit
@@ -71,16 +71,22 @@ def latent_tile(kv_row, n_ok, dv, dv_ok, dr, dr_ok, DV, like, KV_FMT: tl.constex
 
 
 @jit
-def attend_tile(q_nope, q_pe, c_kv, k_pe, visible, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
-    """One online-softmax step over a tile of keys: S = q_nope c_kv^T + q_pe k_pe^T (scaled to
-    base 2 by qk_scale), invisible scores -inf, then the running max m_i, sum l_i and
-    accumulator acc ([BLOCK_M, BLOCK_DV] float32, values = c_kv) updated. Returns them."""
+def tile_scores(q_nope, q_pe, c_kv, k_pe, IEEE: tl.constexpr):
+    """S = q_nope c_kv^T + q_pe k_pe^T [BLOCK_M, BLOCK_N] float32, unscaled."""
     if IEEE:
         s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
     else:
         s = tl.dot(q_nope, tl.trans(c_kv))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
+    return s
+
+
+@jit
+def softmax_step(s, c_kv, visible, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One online-softmax step over a tile's scores s (``tile_scores``): scaled to base 2 by
+    qk_scale, invisible scores -inf, then the running max m_i, sum l_i and accumulator acc
+    ([BLOCK_M, BLOCK_DV] float32, values = c_kv) updated. Returns them."""
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
@@ -95,10 +101,18 @@ def attend_tile(q_nope, q_pe, c_kv, k_pe, visible, qk_scale, m_i, l_i, acc, IEEE
 
 
 @jit
+def attend_tile(q_nope, q_pe, c_kv, k_pe, visible, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """``tile_scores`` then ``softmax_step``: one online-softmax step over a tile of keys.
+    Returns (m_i, l_i, acc)."""
+    s = tile_scores(q_nope, q_pe, c_kv, k_pe, IEEE)
+    return softmax_step(s, c_kv, visible, qk_scale, m_i, l_i, acc, IEEE)
+
+
+@jit
 def finish(acc, m_i, l_i, v_scale):
     """(out = acc * v_scale / l_i, lse in natural log) of the running state; a row that saw
     nothing (l_i = 0) gets out 0 and lse -inf."""
     empty = l_i == 0.0
     out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     return out, lse

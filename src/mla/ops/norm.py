@@ -80,6 +80,3 @@ def rms_norm_pair(x1: torch.Tensor, weight1: torch.Tensor, eps1: float, x2: torc
 def _warps(block_n: int) -> int:
     return min(16, max(1, block_n // 256))
 
-
-rms_norm.takes = lambda x, weight, eps: x.shape[-1] <= MAX_COLUMNS
-rms_norm_pair.takes = lambda x1, w1, e1, x2, w2, e2: max(x1.shape[-1], x2.shape[-1]) <= MAX_COLUMNS

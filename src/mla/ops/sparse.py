@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from . import _library, resolve_backend
+from . import _library
 from ._checks import (FLOAT, as_float, check, check_flag, check_int, check_int_vector, check_latent_query_cache,
                       dense, describe)
+from .backend import resolve_backend
 
 __all__ = ["indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
 

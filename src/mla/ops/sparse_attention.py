@@ -43,7 +43,10 @@ from .decode.combine import combine
 from .decode.gluon import sparse as gluon_sparse
 from .latent_rows import attend_tile, finish, latent_tile, query_rows
 
-__all__ = ["sparse_mla_decode", "sparse_prefill_attention", "SparseConfig", "schedule", "launch"]
+__all__ = ["sparse_mla_decode", "sparse_prefill_attention", "SparseConfig", "schedule", "launch", "CACHE_FORMATS"]
+
+# the cache rows sparse_mla_decode reads (mla.quant.cache_format): all of them
+CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
 
 LOG2E = 1.4426950408889634
 
@@ -191,8 +194,6 @@ def sparse_mla_decode(q, kv_cache, indices, head_dim_v, softmax_scale, kv_scale=
                       softmax_scale, kv_scale, attn_sink)
     return out.view(B, s_q, H, head_dim_v), lse.view(B, s_q, H)
 
-
-sparse_mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")
 
 
 def sparse_prefill_attention(q, kv, indices, sm_scale, d_v, attn_sink=None):

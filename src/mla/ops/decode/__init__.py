@@ -17,9 +17,11 @@ import torch
 from . import portable
 from .gluon import common, fp8, narrow, seesaw
 
-__all__ = ["mla_decode", "choose_kernel", "use_gluon", "use_narrow", "KERNELS", "FP8_PORTABLE_KEYS"]
+__all__ = ["mla_decode", "choose_kernel", "use_gluon", "use_narrow", "KERNELS", "CACHE_FORMATS", "FP8_PORTABLE_KEYS"]
 
 KERNELS = ("portable", "seesaw", "narrow", "fp8")
+# the cache rows mla_decode reads (mla.quant.cache_format): all of them
+CACHE_FORMATS = ("plain", "fp8", "fp8_tile")
 
 # FP8 rows with at most 16 query rows: batches whose keys (B x the table's capacity) are at most
 # this many go to the portable kernel, whose fixed cost is lower
@@ -54,8 +56,6 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     return launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_scale=kv_scale, pdl=pdl)
 
 
-mla_decode.cache_formats = ("plain", "fp8", "fp8_tile")
-
 
 def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
     """The one dispatch rule of ``mla_decode``: one of ``KERNELS``, from shapes and dtypes only
@@ -66,9 +66,10 @@ def choose_kernel(q, kv_cache, head_dim_v, max_len: int) -> str:
     On the H200 at 16 heads: per-tensor rows at batches 1-16 x 1k-16k take 0.39-0.94x the
     seesaw's time on the e4m3 kernel, and 0.67-0.85x the e4m3 kernel's on the portable kernel
     up to 8192 keys (1.01-1.06x at 16k keys); tile rows at B 32/128 x 4k/16k 0.42-0.56x the
-    widening narrow kernel's time; 32 rows (s_q 2) at B 1-128 x 4k/16k 0.51-0.95x the seesaw's.
-    Those seesaw times predate its FP8 producer warpgroup (0.72-0.80x the old time at 128 heads;
-    not re-measured at 16-32 rows).
+    widening narrow kernel's time; 32 rows (s_q 2) at B 1-128 x 4k/16k 0.51-0.95x the seesaw's,
+    measured at 9f0aff3, whose seesaw widened FP8 rows in its warpgroups: the producer
+    warpgroup it has now takes 0.72-0.80x that time at 128 heads, and is not measured against
+    the e4m3 kernel at 16-32 rows.
     The rest: ``use_gluon``, then ``use_narrow``."""
     if not use_gluon(q, kv_cache, head_dim_v):
         return "portable"

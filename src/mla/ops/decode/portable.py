@@ -31,13 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .._jit import jit, kv_fmt, num_sms
+from .._jit import LOG2E, jit, kv_fmt, num_sms
+from ..latent_rows import finish, latent_tile, query_rows, softmax_step, tile_scores
 from .combine import run_splits
 from .split_plan import block_b, planned_split
 
 __all__ = ["DecodeConfig", "default_config", "launch"]
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -50,26 +49,6 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int = 1      # programs per sequence along the cache length
     page_tile: bool = True   # when block_size % block_n == 0: one block-table read per tile
-
-
-@jit
-def _query_rows(q_row, row_ok, dv, dv_ok, dr, dr_ok, DV):
-    """The query rows at q_row ([BLOCK_M] pointers): (q_nope [BLOCK_M, BLOCK_DV], q_pe [BLOCK_M,
-    BLOCK_DR]), zero where masked."""
-    q_nope = tl.load(q_row[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
-    return q_nope, q_pe
-
-
-@jit
-def _keep_nan(x, x8, KEEP_NAN: tl.constexpr):
-    """x widened from e4m3 bytes x8, NaN where x8 is e4m3's NaN (0x7F, 0xFF). Only where
-    KEEP_NAN (the interpreter): Triton 3.6's interpreter widens the NaN byte to a finite value,
-    so a NaN token's row would be attended as a large finite one; the GPU's conversion keeps
-    NaN, and its code is unchanged (KEEP_NAN is a constexpr False there)."""
-    if KEEP_NAN:
-        x = tl.where((x8.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x)
-    return x
 
 
 @jit
@@ -100,11 +79,11 @@ def _decode_split_kernel(
     # the lengths are equal), so that they land under its arithmetic; again where it differs
     guess = prog // num_splits
     q_row = Q + qi * stride_qi + h * stride_qh
-    q_nope, q_pe = _query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
+    q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
     b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
     if b != guess:      # mixed lengths
-        q_nope, q_pe = _query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
+        q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
@@ -127,47 +106,12 @@ def _decode_split_kernel(
         else:
             blk = tl.minimum(tl.maximum(tl.load(bt_row + n // block_size, mask=n_ok, other=0), 0), num_blocks - 1)
             kv_row = KV + blk.to(tl.int64) * stride_kv_blk + (n % block_size) * stride_kv_row
-        if KV_FMT == 2:   # FP8 tile rows (bytes): [c_kv e4m3 | DV/128 float32 scales | k_pe bf16]
-            c8 = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0)
-            t = tl.arange(0, BLOCK_DV // 128)         # one float32 scale per 128 latent values
-            scale = tl.load((kv_row + DV).to(tl.pointer_type(tl.float32))[:, None] + t[None, :],
-                            mask=n_ok[:, None] & (t < DV // 128)[None, :], other=0.0)
-            c = _keep_nan(c8.to(tl.float8e4nv, bitcast=True).to(tl.float32), c8, KEEP_NAN)
-            c = tl.reshape(c, [BLOCK_N, BLOCK_DV // 128, 128])
-            c_kv = tl.reshape(c * scale[:, :, None], [BLOCK_N, BLOCK_DV]).to(Q.dtype.element_ty)
-            k_pe = tl.load((kv_row + DV + 4 * (DV // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] + dr[None, :],
-                           mask=n_ok[:, None] & dr_ok[None, :], other=0.0).to(Q.dtype.element_ty)
-        else:             # plain rows; FP8 rows (KV_FMT 1) widen exactly, kv_scale is in qk_scale and v_scale
-            c_kv = tl.load(kv_row[:, None] + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-            k_pe = tl.load(kv_row[:, None] + DV + dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
-            if KV_FMT == 1:
-                c_kv = _keep_nan(c_kv.to(q_nope.dtype), c_kv, KEEP_NAN)
-                k_pe = _keep_nan(k_pe.to(q_nope.dtype), k_pe, KEEP_NAN)
-            else:
-                c_kv = c_kv.to(q_nope.dtype)
-                k_pe = k_pe.to(q_nope.dtype)
-        if IEEE:
-            s = tl.dot(q_nope, tl.trans(c_kv), input_precision="ieee")
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_nope, tl.trans(c_kv))
-            s = tl.dot(q_pe, tl.trans(k_pe), s)
+        c_kv, k_pe = latent_tile(kv_row, n_ok, dv, dv_ok, dr, dr_ok, DV, q_nope, KV_FMT, KEEP_NAN, BLOCK_N, BLOCK_DV)
+        s = tile_scores(q_nope, q_pe, c_kv, k_pe, IEEE)
         visible = n_ok[None, :] & (n[None, :] < limit[:, None])
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: no NaN from -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(s, c_kv, visible, qk_scale, m_i, l_i, acc, IEEE)
 
-    empty = l_i == 0.0
-    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    out, lse = finish(acc, m_i, l_i, v_scale)
     o_row = O + prog.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
     tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     l_row = LSE + prog.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h

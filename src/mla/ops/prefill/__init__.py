@@ -71,5 +71,3 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     return triton_kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                 triton_kernel.default_config(q, v.shape[-1]))
 
-
-prefill_attention.cache_formats = ("plain",)

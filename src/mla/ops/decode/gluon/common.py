@@ -19,8 +19,6 @@ and ``fp8`` have in common.
 Row layout constants: d = ``D_QK`` (576) = ``D_V`` (512, the latent and value) + 64 (k_pe);
 query rows come in tiles of ``BLOCK_M`` and keys in chunks of ``BLOCK_N`` (64).
 """
-from __future__ import annotations
-
 import math
 
 import torch
@@ -31,11 +29,29 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ..._jit import kv_fmt, num_sms
+from ..._jit import KERNEL_LOG2E, LN2, LOG2E, kv_fmt, num_sms
 from ..split_plan import planned_split_gluon
 
-LOG2E = 1.4426950408889634
+try:
+    from triton.experimental.gluon.language import aggregate
+except ImportError:   # Triton 3.6 has Gluon's aggregate (a class of named fields jit functions pass as one value) here
+    from triton.language.core import _aggregate as aggregate
+# an aggregate's number field: a run-time value, or a constant (a literal the kernel passes, or an
+# int argument of 1, which Triton specialises to one)
+IntArg = gl.tensor | gl.constexpr
+
+
+@gluon.constexpr_function
+def constant(x):
+    """x as an ``IntArg`` field holds it: an aggregate's constructor receives constants as plain
+    Python numbers."""
+    return gl.constexpr(x) if isinstance(x, (int, float)) else x
+
 D_QK, D_V, BLOCK_M, BLOCK_N = 576, 512, 64, 64
+# The Hopper kernels launch at MAXNREG registers a thread: their three warpgroups (two that compute,
+# one that loads) fill the 64K register file (3 x 128 threads x 168); each kernel's warp_specialize
+# then resizes its worker partitions (setmaxnreg) and the default partition takes what they free.
+MAXNREG = 168
 # rows of 64 columns for plain loads and stores of a tile (one warpgroup)
 TILE_LD_L = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
@@ -252,6 +268,52 @@ def loader(ring, ring_pe, ring_sc, ready, free, start, n_tiles, kv_desc, pe_desc
             copy_fp8_tile(ring, ring_pe, ring_sc, ready, buf, row0, kv_desc, pe_desc, sc_desc, KV_FMT)
 
 
+@aggregate
+class SplitShare:
+    """A program's split of one sequence's keys and where its result goes, in the narrow and FP8
+    kernels (two warpgroups over alternate tiles, merged by warpgroup 0): query row r = i H + h
+    writes O + o_base + i stride_oi + h stride_oh and LSE + l_base + i stride_li + h (O, LSE: out
+    and lse with one split, else the split's partials); its keys are start .. end of seqlen, in
+    n_tiles tiles; scores are scaled by qk_scale (to base 2) and the output by v_scale."""
+    O: gl.tensor
+    LSE: gl.tensor
+    o_base: gl.tensor
+    l_base: gl.tensor
+    seqlen: IntArg
+    start: gl.tensor
+    end: gl.tensor
+    n_tiles: gl.tensor
+    H: IntArg
+    S_Q: IntArg
+    stride_oi: IntArg
+    stride_oh: IntArg
+    stride_li: IntArg
+    qk_scale: gl.tensor
+    v_scale: IntArg
+
+    @gluon.constexpr_function
+    def __init__(self, O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
+                 qk_scale, v_scale):
+        self.O, self.LSE, self.o_base, self.l_base = O, LSE, o_base, l_base
+        self.seqlen, self.start, self.end, self.n_tiles = constant(seqlen), start, end, n_tiles
+        self.H, self.S_Q = constant(H), constant(S_Q)
+        self.stride_oi, self.stride_oh, self.stride_li = constant(stride_oi), constant(stride_oh), constant(stride_li)
+        self.qk_scale, self.v_scale = qk_scale, constant(v_scale)
+
+
+@aggregate
+class Gathered:
+    """Gathered keys (sparse attention): a program's index list and the attention sink."""
+    idx_row: gl.tensor      # the token's indices (flat cache slots, -1 = none)
+    num_slots: IntArg       # the pool's rows: an index outside [0, num_slots) names no key
+    SINK: gl.tensor         # [H] float32 sink logits (a stand-in when sink_on is 0)
+    sink_on: gl.tensor      # 1 where this program starts from the sink (split 0 of a launch with one)
+
+    @gluon.constexpr_function
+    def __init__(self, idx_row, num_slots, SINK, sink_on):
+        self.idx_row, self.num_slots, self.SINK, self.sink_on = idx_row, num_slots, SINK, sink_on
+
+
 @gluon.jit
 def gather_loader(ring, ring_pe, ready, free, KV, stride_row, sp, start, end, n_tiles):
     """The loader of gathered keys (``sparse``): tile j holds the rows that index positions
@@ -265,14 +327,13 @@ def gather_loader(ring, ring_pe, ready, free, KV, stride_row, sp, start, end, n_
     slot refilled once released) took 1.1-1.4x this one's time: spills, nine arrivals a tile."""
     BN: gl.constexpr = ring.shape[1]
     NBUF: gl.constexpr = ring.shape[0]
-    idx_row, num_slots, SINK, sink_on = sp
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, TILE_LD_L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, TILE_LD_L))
     for j in range(n_tiles):
         buf = j % NBUF
         n = start + j * BN + r
-        slot = gl.load(idx_row + n, mask=n < end, other=-1)
-        ok = (slot >= 0) & (slot < num_slots)
+        slot = gl.load(sp.idx_row + n, mask=n < end, other=-1)
+        ok = (slot >= 0) & (slot < sp.num_slots)
         ptr = (KV + gl.where(ok, slot, 0).to(gl.int64) * stride_row)[:, None] + cols[None, :]
         mask = ok[:, None] & (cols < 64)[None, :]
         fph = ((j // NBUF) & 1) ^ 1
@@ -296,20 +357,18 @@ def wait_gathered(ready, buf, phase):
 def key_mask(sp, n0, end, layout: gl.constexpr, BN: gl.constexpr):
     """[BN] in ``layout``: which keys of the gathered tile at index position n0 exist (an index
     in [0, num_slots) before end; -1 and out-of-pool indices do not)."""
-    idx_row, num_slots, SINK, sink_on = sp
     n = n0 + gl.arange(0, BN, layout=layout)
-    slot = gl.load(idx_row + n, mask=n < end, other=-1)
-    return (slot >= 0) & (slot < num_slots)
+    slot = gl.load(sp.idx_row + n, mask=n < end, other=-1)
+    return (slot >= 0) & (slot < sp.num_slots)
 
 
 @gluon.jit
 def sink_start(sp, ml, H, ROW_L: gl.constexpr):
     """The running max a gathered split starts from, per query row (head) ml ..: the attention
     sink in base 2 where sink_on (split 0 of a launch with a sink), else -inf."""
-    idx_row, num_slots, SINK, sink_on = sp
     h = ml + gl.arange(0, 64, layout=ROW_L)
-    sink = gl.load(SINK + h, mask=(h < H) & (sink_on != 0), other=float("-inf"))
-    return sink * 1.4426950408889634     # log2(e): the kernels' scores are in base 2
+    sink = gl.load(sp.SINK + h, mask=(h < H) & (sp.sink_on != 0), other=float("-inf"))
+    return sink * KERNEL_LOG2E     # the kernels' scores are in base 2
 
 
 @gluon.jit
@@ -417,7 +476,7 @@ def merge_weights(xml, xbar, m_i, l_i, v_scale):
     l_i = a0 * l_i + a1 * l1
     empty = l_i == 0.0
     inv = v_scale / gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
     return a0 * inv, a1 * inv, lse
 
 

@@ -50,8 +50,6 @@ warpgroup 0 merges the two: one result per split, merged with the other splits b
 ``combine``, or the output itself when there is one split (no combine), which halves the partials the combine reads. kv_scale and
 the query rows' scales are folded into the softmax scale, kv_scale into the output.
 """
-from __future__ import annotations
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -66,9 +64,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, acc_layout, copy_fp8_tile, default_splits, descriptors, launch_dependents,
-                     loader, merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state,
-                     supports, thread_major, wait_prerequisites, zero_tail)
+from .common import (D_QK, D_V, LOG2E, MAXNREG, IntArg, SplitShare, acc_layout, aggregate, constant, copy_fp8_tile,
+                     default_splits, descriptors, launch_dependents, loader, merge_buffers, merge_weights, pdl_launch,
+                     plan_and_query, ring_barriers, send_state, supports, thread_major, wait_prerequisites, zero_tail)
 
 __all__ = ["launch", "takes", "MAX_ROWS"]
 
@@ -259,37 +257,68 @@ def _v_tile_step(tile, tile_sc, g: gl.constexpr):
     w = tile_sc.slice(16 * g, 16, dim=0).load(gl.SliceLayout(2, _v_groups_layout()))
     return _v_scaled(x, w)
 
+# Registers (``common.MAXNREG``): the second warpgroup's and the TMA loader's (which only issues
+# copies and waits); the first warpgroup, the default partition, takes what they free
+REGS_WITH_LOADER = gl.constexpr([232, 24])
+
+
+@aggregate
+class Fp8Shared:
+    """What the FP8 kernel's two warpgroups share: the query rows as e4m3 operands and where to
+    re-read their exponents, the FP8 ring, P^T and the barriers."""
+    q8: gl.shared_memory_descriptor          # the query rows as two e4m3 terms (hi, lo) [9, 2 R, 64]
+    qpe: gl.shared_memory_descriptor         # tile rows: their bf16 RoPE part [2 R, 64] (else unused)
+    Q: gl.tensor                             # the query rows r0 .. at Q + q_off + i stride_qi + h stride_qh
+    q_off: gl.tensor
+    r0: IntArg
+    stride_qi: IntArg
+    stride_qh: IntArg
+    k8: gl.shared_memory_descriptor          # the FP8 ring of 64-key tiles [NST, 64, 512]
+    pe8: gl.shared_memory_descriptor         # their RoPE part
+    sc8: gl.shared_memory_descriptor         # tile rows: their scales [NST, 64, 4] (else unused)
+    p_smem: gl.shared_memory_descriptor      # P^T a warpgroup [2, 64, R] float16
+    ready: gl.shared_memory_descriptor       # a stage landed
+    free: gl.shared_memory_descriptor        # a stage released
+    xbar: gl.shared_memory_descriptor        # warpgroup 1's result handed to warpgroup 0: its barrier,
+    xml: gl.shared_memory_descriptor         # and its row maxima and sums (``merge_buffers``)
+
+    @gluon.constexpr_function
+    def __init__(self, q8, qpe, Q, q_off, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml):
+        self.q8, self.qpe, self.Q, self.q_off = q8, qpe, Q, q_off
+        self.r0, self.stride_qi, self.stride_qh = constant(r0), constant(stride_qi), constant(stride_qh)
+        self.k8, self.pe8, self.sc8, self.p_smem = k8, pe8, sc8, p_smem
+        self.ready, self.free, self.xbar, self.xml = ready, free, xbar, xml
+
 
 @gluon.jit
-def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
+def _fp8_wg(fs, sh, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T.
     TILE: tile rows (a float32 scale per key and 128 values, bf16 k_pe)."""
-    (q8, qpe, Q, q_off, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free, xbar, xml, O, LSE, o_base,
-     l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
     A_L: gl.constexpr = acc_layout(_R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
-    r = r0 + gl.arange(0, _R, layout=COL_L)          # this program's query rows
+    r = fs.r0 + gl.arange(0, _R, layout=COL_L)          # this program's query rows
     if CAUSAL:
-        limit = seqlen - S_Q + r // H + 1               # query i sees keys < limit
+        limit = sh.seqlen - sh.S_Q + r // sh.H + 1      # query i sees keys < limit
     else:
-        limit = gl.full([_R], 0, gl.int32, COL_L) + seqlen
+        limit = gl.full([_R], 0, gl.int32, COL_L) + sh.seqlen
     # S^T's column scale: the query row's (recomputed here, the same bits as the prologue's), the softmax's
-    sc = (_q_exponents(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, A_L) << 23).to(gl.float32, bitcast=True) * qk_scale
+    e = _q_exponents(fs.Q, fs.q_off, sh.H, sh.S_Q, fs.stride_qi, fs.stride_qh, fs.r0, A_L)
+    sc = (e << 23).to(gl.float32, bitcast=True) * sh.qk_scale
     m_i = gl.full([_R], float("-inf"), gl.float32, COL_L)
     l_t = gl.zeros([64, _R], gl.float32, A_L)
     acc = gl.zeros([512, _R], gl.float32, A_L)
-    p_buf = p_smem.index(WG)
-    for t in range((n_tiles - WG + 1) // 2):
+    p_buf = fs.p_smem.index(WG)
+    for t in range((sh.n_tiles - WG + 1) // 2):
         j = 2 * t + WG
-        n0 = start + j * 64
+        n0 = sh.start + j * 64
         st = j % _NST
-        mbarrier.wait(ready.index(st), (j // _NST) & 1)     # the whole tile (see loader)
-        tile = k8.index(st)
-        tile_pe = pe8.index(st)
-        if n0 + 64 > end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
-            zero_tail(tile, tile_pe, n0, end)
+        mbarrier.wait(fs.ready.index(st), (j // _NST) & 1)     # the whole tile (see loader)
+        tile = fs.k8.index(st)
+        tile_pe = fs.pe8.index(st)
+        if n0 + 64 > sh.end:       # tail tile: rows >= end may hold NaN (0 * NaN in P V would leak)
+            zero_tail(tile, tile_pe, n0, sh.end)
             if TILE:
-                _zero_tail_scales(sc8.index(st), n0, end)
+                _zero_tail_scales(fs.sc8.index(st), n0, sh.end)
             fence_async_shared()
             gl.thread_barrier()
         VL: gl.constexpr = _v_load_layout()
@@ -297,20 +326,20 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
             # S^T group by group (a key's scale per 128 values), two groups in flight, each summed
             # (Q_hi's part + Q_lo's) and scaled as it lands; the rope part as a bf16 MMA. The
             # values stay in the stage until their O^T steps (below), which release it
-            tile_sc = sc8.index(st)
-            g0 = _s_group(tile, q8, 0)
-            g1 = _s_group(tile, q8, 1)
+            tile_sc = fs.sc8.index(st)
+            g0 = _s_group(tile, fs.q8, 0)
+            g1 = _s_group(tile, fs.q8, 1)
             g0 = warpgroup_mma_wait(num_outstanding=2, deps=(g0,))
             s8 = _scaled_group(g0, tile_sc, 0)
-            g2 = _s_group(tile, q8, 2)
+            g2 = _s_group(tile, fs.q8, 2)
             g1 = warpgroup_mma_wait(num_outstanding=2, deps=(g1,))
             s8 = s8 + _scaled_group(g1, tile_sc, 1)
-            g3 = _s_group(tile, q8, 3)
+            g3 = _s_group(tile, fs.q8, 3)
             g2 = warpgroup_mma_wait(num_outstanding=2, deps=(g2,))
             s8 = s8 + _scaled_group(g2, tile_sc, 2)
             RL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 2 * _R, 16])
-            rope = warpgroup_mma(tile_pe, qpe.permute((1, 0)), gl.zeros([64, 2 * _R], gl.float32, RL),
+            rope = warpgroup_mma(tile_pe, fs.qpe.permute((1, 0)), gl.zeros([64, 2 * _R], gl.float32, RL),
                                  use_acc=False, is_async=True)
             g3 = warpgroup_mma_wait(num_outstanding=1, deps=(g3,))
             s8 = s8 + _scaled_group(g3, tile_sc, 3)
@@ -321,7 +350,7 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
             # S^T in flight while the value bytes go into registers; then the stage goes back to
             # the loader. The proxy fence stays although the loads only read: without it the TMA
             # refill raced them on the H200 (outputs differed between identical launches)
-            s = _s_e4m3_ss(tile, tile_pe, q8)
+            s = _s_e4m3_ss(tile, tile_pe, fs.q8)
             v0 = tile.slice(0, 16, dim=0).load(VL)
             v1 = tile.slice(16, 16, dim=0).load(VL)
             v2 = tile.slice(32, 16, dim=0).load(VL)
@@ -329,11 +358,11 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(free.index(st), count=1)
+            mbarrier.arrive(fs.free.index(st), count=1)
             s = gl.convert_layout(gl.sum(s.reshape([64, 2, _R]), axis=1), A_L)    # Q_hi's part + Q_lo's
         # softmax down the columns (per query row, across the tile's keys)
         n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_L))
-        visible = (n < end)[:, None] & (n[:, None] < limit[None, :])
+        visible = (n < sh.end)[:, None] & (n[:, None] < limit[None, :])
         s = gl.where(visible, s * sc[None, :], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -349,17 +378,17 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
         # stage now (not held in registers through the softmax: with the scales that spilled),
         # and the stage goes back to the loader after the last of them
         if TILE:
-            a_prev = _v_frag(_v_tile_step(tile, sc8.index(st), 0))
+            a_prev = _v_frag(_v_tile_step(tile, fs.sc8.index(st), 0))
         else:
             a_prev = _v_frag(v0)
         acc = warpgroup_mma(a_prev, p_buf.slice(0, 16, dim=0), acc, is_async=True)
         for g in gl.static_range(1, 4):
             if TILE:
-                a_c = _v_frag(_v_tile_step(tile, sc8.index(st), g))
+                a_c = _v_frag(_v_tile_step(tile, fs.sc8.index(st), g))
                 if g == 3:
                     fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(free.index(st), count=1)
+                    mbarrier.arrive(fs.free.index(st), count=1)
             elif g == 1:
                 a_c = _v_frag(v1)
             elif g == 2:
@@ -374,19 +403,20 @@ def _fp8_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr):
     # memory (O in its ring stage, which no tile reaches any more), and warpgroup 0 merges them
     l_i = gl.sum(l_t, axis=0)
     out = _column_order(acc)
-    xo = k8.index(1)._reinterpret(gl.float32, [512, _R], thread_major(_o_layout()))
+    xo = fs.k8.index(1)._reinterpret(gl.float32, [512, _R], thread_major(_o_layout()))
     if WG == 1:
-        send_state(xo, out, xml, m_i, l_i, xbar)
+        send_state(xo, out, fs.xml, m_i, l_i, fs.xbar)
     else:
-        w0, w1, lse = merge_weights(xml, xbar, m_i, l_i, v_scale)
+        w0, w1, lse = merge_weights(fs.xml, fs.xbar, m_i, l_i, sh.v_scale)
         OL: gl.constexpr = _o_layout()
         ROW_L: gl.constexpr = gl.SliceLayout(0, OL)
         out = out * gl.convert_layout(w0, ROW_L)[None, :] + xo.load(OL) * gl.convert_layout(w1, ROW_L)[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, OL))
-        ro = r0 + gl.arange(0, _R, layout=ROW_L)
-        row = O + o_base + (ro // H) * stride_oi + (ro % H) * stride_oh
-        gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=(ro < H * S_Q)[None, :] & (d < 512)[:, None])
-        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
+        ro = fs.r0 + gl.arange(0, _R, layout=ROW_L)
+        row = sh.O + sh.o_base + (ro // sh.H) * sh.stride_oi + (ro % sh.H) * sh.stride_oh
+        gl.store(row[None, :] + d[:, None], out.to(sh.O.dtype.element_ty),
+                 mask=(ro < sh.H * sh.S_Q)[None, :] & (d < 512)[:, None])
+        gl.store(sh.LSE + sh.l_base + (r // sh.H) * sh.stride_li + r % sh.H, lse, mask=r < sh.H * sh.S_Q)
 
 
 @gluon.jit
@@ -449,15 +479,16 @@ def _fp8_kernel(
     # program p writes partial slot p (the output itself when there is one split)
     o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q8, qpe, Q, b.to(gl.int64) * stride_qb, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready, free,
-            xbar, xml, O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
-            qk_scale, v_scale)
+    fs = Fp8Shared(q8, qpe, Q, b.to(gl.int64) * stride_qb, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready,
+                   free, xbar, xml)
+    sh = SplitShare(O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
+                    qk_scale, v_scale)
     gl.warp_specialize([
-        (_fp8_wg, (args, 0, CAUSAL, TILE)),
-        (_fp8_wg, (args, 1, CAUSAL, TILE)),
+        (_fp8_wg, (fs, sh, 0, CAUSAL, TILE)),
+        (_fp8_wg, (fs, sh, 1, CAUSAL, TILE)),
         (loader, (k8, pe8, sc8, ready, free, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row, block_size,
                   blk0, KV_FMT, False, gl.minimum(n_tiles, PRE))),
-    ], [4, 1], [232, 24])
+    ], [4, 1], REGS_WITH_LOADER)
 
 
 # query rows a launch takes: one program per 16 rows (a row group) and split; each group reads
@@ -505,7 +536,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
             Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
             QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
-            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+            num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
     # each row group as a sequence of its own
     splits = num_splits if num_splits is not None else (

@@ -25,8 +25,6 @@ merges them: one result per split for ``combine``, or the output itself when the
 split (two results per split would double the partials the combine reads; a plain row-major
 buffer for the hand-over costs bank conflicts).
 """
-from __future__ import annotations
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,99 +38,122 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, acc_layout, copy_tile, default_splits, descriptors, launch_dependents, loader,
-                     merge_buffers, merge_weights, pdl_launch, plan_and_query, ring_barriers, send_state, supports,
-                     thread_major, wait_prerequisites, widen, zero_tail)
+from .common import (D_QK, D_V, LOG2E, MAXNREG, SplitShare, acc_layout, aggregate, copy_tile, default_splits,
+                     descriptors, launch_dependents, loader, merge_buffers, merge_weights, pdl_launch, plan_and_query,
+                     ring_barriers, send_state, supports, thread_major, wait_prerequisites, widen, zero_tail)
 
 __all__ = ["launch", "narrow_rows"]
 
+# Registers (``common.MAXNREG``): the second warpgroup's and the TMA loader's (which only issues
+# copies and waits); the first warpgroup, the default partition, takes what they free
+REGS_WITH_LOADER = gl.constexpr([232, 24])
+
+
+@aggregate
+class NarrowSmem:
+    """The narrow kernel's shared memory and barriers, as its two warpgroups use them."""
+    q_smem: gl.shared_memory_descriptor      # the query rows' latent part [R, 512] (S^T's B operand)
+    q_pe: gl.shared_memory_descriptor        # their RoPE part [R, 64]
+    k_smem: gl.shared_memory_descriptor      # one 64-key tile a warpgroup [2, 64, 512]
+    kpe_smem: gl.shared_memory_descriptor    # their RoPE part [2, 64, 64]
+    p_smem: gl.shared_memory_descriptor      # P^T a warpgroup [2, 64, R]
+    st8: gl.tuple                            # FP8 rows: the staging ring (k8, pe8, sc8, free)
+    ready: gl.shared_memory_descriptor       # the loader's "landed" barriers
+    free: gl.shared_memory_descriptor        # a tile (or stage) released
+    turn: gl.shared_memory_descriptor        # FP8 rows: the two warpgroups widen in turn
+    xbar: gl.shared_memory_descriptor        # warpgroup 1's result handed to warpgroup 0: its barrier,
+    xml: gl.shared_memory_descriptor         # and its row maxima and sums (``merge_buffers``)
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml):
+        self.q_smem, self.q_pe, self.k_smem, self.kpe_smem, self.p_smem = q_smem, q_pe, k_smem, kpe_smem, p_smem
+        self.st8, self.ready, self.free, self.turn, self.xbar, self.xml = st8, ready, free, turn, xbar, xml
+
 
 @gluon.jit
-def _narrow_wg(a, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
+def _narrow_wg(sm, sh, WG: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr):
     """Tiles WG, WG + 2, ... of the split: S^T, softmax down the columns, O^T += V^T P^T."""
-    (q_smem, q_pe, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml, O, LSE, o_base, l_base,
-     seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale) = a
-    R: gl.constexpr = q_smem.shape[0]
-    NBUF: gl.constexpr = k_smem.shape[0]
+    R: gl.constexpr = sm.q_smem.shape[0]
+    NBUF: gl.constexpr = sm.k_smem.shape[0]
     A_L: gl.constexpr = acc_layout(R)
     COL_L: gl.constexpr = gl.SliceLayout(0, A_L)       # one value per query row
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = sm.q_smem.dtype
     r = gl.arange(0, R, layout=COL_L)
     if CAUSAL:
-        limit = seqlen - S_Q + r // H + 1               # query i sees keys < limit
+        limit = sh.seqlen - sh.S_Q + r // sh.H + 1      # query i sees keys < limit
     else:
-        limit = gl.full([R], 0, gl.int32, COL_L) + seqlen
+        limit = gl.full([R], 0, gl.int32, COL_L) + sh.seqlen
     m_i = gl.full([R], float("-inf"), gl.float32, COL_L)
     l_i = gl.full([R], 0.0, gl.float32, COL_L)
     acc = gl.zeros([512, R], gl.float32, A_L)
-    k_buf = k_smem.index(WG)
-    kpe_buf = kpe_smem.index(WG)
-    for t in range((n_tiles - WG + 1) // 2):
+    k_buf = sm.k_smem.index(WG)
+    kpe_buf = sm.kpe_smem.index(WG)
+    for t in range((sh.n_tiles - WG + 1) // 2):
         j = 2 * t + WG
-        n0 = start + j * 64
+        n0 = sh.start + j * 64
         ph = (j // NBUF) & 1
         if KV_FMT == 0:
-            if n0 + 64 > end:   # tail tile: wait for all of it, zero rows >= end
+            if n0 + 64 > sh.end:   # tail tile: wait for all of it, zero rows >= end
                 for c in gl.static_range(9):
-                    mbarrier.wait(ready.index(WG * 9 + c), ph)
-                zero_tail(k_buf, kpe_buf, n0, end)
+                    mbarrier.wait(sm.ready.index(WG * 9 + c), ph)
+                zero_tail(k_buf, kpe_buf, n0, sh.end)
                 fence_async_shared()
                 gl.thread_barrier()
         else:                   # widen the two 32-key FP8 halves (an absent second half -> zeros)
             # in turn with the other warpgroup (tile j - 1 first): the staging ring is consumed in
             # order, so a stage's ready barrier is never waited on a phase ahead of its last landing
             if j > 0:
-                mbarrier.wait(turn.index(1 - WG), ((j - 1) // 2) & 1)
-            widen(st8, ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, end, KV_FMT)
-            if n0 + 32 < end:
-                widen(st8, ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
-                       end, KV_FMT)
+                mbarrier.wait(sm.turn.index(1 - WG), ((j - 1) // 2) & 1)
+            widen(sm.st8, sm.ready, 2 * j, k_buf.slice(0, 32, dim=0), kpe_buf.slice(0, 32, dim=0), n0, sh.end, KV_FMT)
+            if n0 + 32 < sh.end:
+                widen(sm.st8, sm.ready, 2 * j + 1, k_buf.slice(32, 32, dim=0), kpe_buf.slice(32, 32, dim=0), n0 + 32,
+                       sh.end, KV_FMT)
             else:
-                zero_tail(k_buf, kpe_buf, n0, end)
+                zero_tail(k_buf, kpe_buf, n0, sh.end)
                 fence_async_shared()
                 gl.thread_barrier()
-            mbarrier.arrive(turn.index(WG), count=1)
+            mbarrier.arrive(sm.turn.index(WG), count=1)
         s = gl.zeros([64, R], gl.float32, A_L)
         for c in gl.static_range(8):
             if KV_FMT == 0:
-                mbarrier.wait(ready.index(WG * 9 + c), ph)
-            s = warpgroup_mma(k_buf.slice(c * 64, 64, dim=1), q_smem.slice(c * 64, 64, dim=1).permute((1, 0)), s,
+                mbarrier.wait(sm.ready.index(WG * 9 + c), ph)
+            s = warpgroup_mma(k_buf.slice(c * 64, 64, dim=1), sm.q_smem.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                               use_acc=c > 0, is_async=True)
         if KV_FMT == 0:
-            mbarrier.wait(ready.index(WG * 9 + 8), ph)
-        s = warpgroup_mma(kpe_buf, q_pe.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(sm.ready.index(WG * 9 + 8), ph)
+        s = warpgroup_mma(kpe_buf, sm.q_pe.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_L))
-        visible = (n < end)[:, None] & (n[:, None] < limit[None, :])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
+        visible = (n < sh.end)[:, None] & (n[:, None] < limit[None, :])
+        s = gl.where(visible, s * sh.qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[None, :])
         alpha = gl.exp2(m_i - m_safe)
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        p_smem.index(WG).store(p.to(dtype))
+        sm.p_smem.index(WG).store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * alpha[None, :]
-        acc = warpgroup_mma(k_buf.slice(0, 512, dim=1).permute((1, 0)), p_smem.index(WG), acc, is_async=True)
+        acc = warpgroup_mma(k_buf.slice(0, 512, dim=1).permute((1, 0)), sm.p_smem.index(WG), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if KV_FMT == 0:
-            mbarrier.arrive(free.index(WG), count=1)
+            mbarrier.arrive(sm.free.index(WG), count=1)
     # one result per split: warpgroup 1 hands O^T, its row max and sum to warpgroup 0 through
     # shared memory (in its own tile, which no load reaches any more), warpgroup 0 merges them
     XL: gl.constexpr = thread_major(gl.to_linear_layout(A_L, [512, R]))
-    xo = k_smem.index(1)._reinterpret(gl.float32, [512, R], XL)
+    xo = sm.k_smem.index(1)._reinterpret(gl.float32, [512, R], XL)
     if WG == 1:
-        send_state(xo, acc, xml, m_i, l_i, xbar)
+        send_state(xo, acc, sm.xml, m_i, l_i, sm.xbar)
     else:
-        w0, w1, lse = merge_weights(xml, xbar, m_i, l_i, v_scale)
+        w0, w1, lse = merge_weights(sm.xml, sm.xbar, m_i, l_i, sh.v_scale)
         out = acc * w0[None, :] + xo.load(A_L) * w1[None, :]
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, A_L))
-        row = O + o_base + (r // H) * stride_oi + (r % H) * stride_oh
-        gl.store(row[None, :] + d[:, None], out.to(O.dtype.element_ty),
-                 mask=(r < H * S_Q)[None, :] & (d < 512)[:, None])
-        gl.store(LSE + l_base + (r // H) * stride_li + r % H, lse, mask=r < H * S_Q)
+        row = sh.O + sh.o_base + (r // sh.H) * sh.stride_oi + (r % sh.H) * sh.stride_oh
+        gl.store(row[None, :] + d[:, None], out.to(sh.O.dtype.element_ty),
+                 mask=(r < sh.H * sh.S_Q)[None, :] & (d < 512)[:, None])
+        gl.store(sh.LSE + sh.l_base + (r // sh.H) * sh.stride_li + r % sh.H, lse, mask=r < sh.H * sh.S_Q)
 
 
 @gluon.jit
@@ -194,14 +215,15 @@ def _narrow_kernel(
     # program p writes partial slot p (the output itself when there is one split)
     o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml, O, LSE, o_base, l_base,
-            seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li, qk_scale, v_scale)
+    sm = NarrowSmem(q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml)
+    sh = SplitShare(O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
+                    qk_scale, v_scale)
     gl.warp_specialize([
-        (_narrow_wg, (args, 0, CAUSAL, KV_FMT)),
-        (_narrow_wg, (args, 1, CAUSAL, KV_FMT)),
+        (_narrow_wg, (sm, sh, 0, CAUSAL, KV_FMT)),
+        (_narrow_wg, (sm, sh, 1, CAUSAL, KV_FMT)),
         (loader, (ring, ring_pe, ring_sc, ready, free, start, n_loads, kv_desc, pe_desc, sc_desc, BT, bt_row,
                    block_size, blk0, KV_FMT, False, gl.minimum(n_loads, 1 if KV_FMT == 0 else 0))),
-    ], [4, 1], [232, 24])
+    ], [4, 1], REGS_WITH_LOADER)
 
 
 def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
@@ -245,7 +267,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
             SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
-            num_warps=4, maxnreg=168, **pdl_launch(H * s_q, pdl),
+            num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: default_splits(B, H * s_q, max_len, q.device))
     return run_splits(q, D_V, max_len, splits, split_kernel, pdl=pdl)

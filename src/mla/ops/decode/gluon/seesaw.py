@@ -55,8 +55,6 @@ only wait for a slot, and the rest is the same. Widening in the warpgroups thems
 each QK^T, took 1.25-1.39x this time on the H200 at 128 heads (B 4-128, 4k-16k): it spilled,
 and it stood between every tile's release and the next QK^T.
 """
-from __future__ import annotations
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -69,18 +67,91 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
 
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (BLOCK_M, D_QK, D_V, LOG2E, TILE_LD_L, copy_fp8_tile, default_splits, descriptors, key_mask,
-                     launch_dependents, loader, pdl_launch, plan_and_block, sink_start, supports, wait_gathered,
-                     wait_prerequisites, widen_by_parts, zero_tail)
+from .common import (BLOCK_M, D_QK, D_V, LN2, LOG2E, MAXNREG, TILE_LD_L, IntArg, aggregate, constant,
+                     copy_fp8_tile, default_splits, descriptors, key_mask, launch_dependents, loader, pdl_launch,
+                     plan_and_block, sink_start, supports, wait_gathered, wait_prerequisites, widen_by_parts,
+                     zero_tail)
 
-__all__ = ["launch", "default_block_n"]
+__all__ = ["launch", "default_block_n", "SeesawSmem", "SeesawWork", "seesaw_buffers"]
 
 # a warpgroup's layouts: S [64, BN] and its half of O [64, 256] as wgmma accumulators
 _ACC_L = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+
+# Registers (``common.MAXNREG``): warp_specialize resizes the worker partitions to these counts,
+# WG1's first, then the loader's or the producer's, and WG0, the default partition, takes what
+# they free. The TMA loader only issues copies and waits: 24, and WG1 holds
+# S, P and its half of O in 240. The FP8 producer widens e4m3 tiles in registers: 40 keep it out of
+# spills (32 took 1.04-1.26x the time on the H200), and WG1 gets 232.
+REGS_WITH_LOADER = gl.constexpr([240, 24])      # WG1, the loader
+REGS_WITH_PRODUCER = gl.constexpr([232, 40])    # WG1, the producer (FP8 rows)
+
+
+@aggregate
+class SeesawSmem:
+    """What the two warpgroups share in shared memory (``seesaw_buffers`` sets it up)."""
+    q_smem: gl.shared_memory_descriptor      # the query rows' latent part [64, 512]
+    k_smem: gl.shared_memory_descriptor      # the K ring [NBUF, BN, 512]: the latent part of NBUF key tiles
+    kpe_smem: gl.shared_memory_descriptor    # their RoPE part [NBUF, BN, 64]
+    p_smem: gl.shared_memory_descriptor      # P0 and P1 [2, 64, BN]
+    stats: gl.tuple                          # six [64] float32 rows: m0, a0, m1, a1, l0, l1
+    ready: gl.shared_memory_descriptor       # "tile (or box) landed", the loader's or the producer's
+    empty: gl.shared_memory_descriptor       # [2 NBUF]: a K slot's columns 0..255 / 256..511 released
+    p_ready: gl.shared_memory_descriptor     # [2]: P0 / P1 and their statistics stored
+    p_free: gl.shared_memory_descriptor      # [2]: P0 / P1 read by the other warpgroup
+    l_bar: gl.shared_memory_descriptor       # both l halves stored
+    q_bar: gl.shared_memory_descriptor       # both halves of Q stored
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar):
+        self.q_smem, self.k_smem, self.kpe_smem, self.p_smem, self.stats = q_smem, k_smem, kpe_smem, p_smem, stats
+        self.ready, self.empty, self.p_ready, self.p_free = ready, empty, p_ready, p_free
+        self.l_bar, self.q_bar = l_bar, q_bar
+
+
+@aggregate
+class SeesawWork:
+    """One program's share: 64 query rows, one split's keys, and where its result goes. Row
+    m = i H + h of the program's 64 (from ml) is query token i, head h: at Q + q_base +
+    i stride_qi + h stride_qh, its output at O + o_base + i stride_oi + h stride_oh and its lse at
+    LSE + l_base + i stride_li + h (O, LSE: out and lse with one split, else the split's
+    partials). Its keys: start .. end of the sequence's seqlen, in n_tiles tiles."""
+    Q: gl.tensor
+    O: gl.tensor
+    LSE: gl.tensor
+    q_base: gl.tensor
+    o_base: gl.tensor
+    l_base: gl.tensor
+    ml: gl.tensor
+    seqlen: IntArg
+    start: gl.tensor
+    end: gl.tensor
+    n_tiles: gl.tensor
+    H: IntArg
+    S_Q: IntArg
+    stride_qi: IntArg
+    stride_qh: IntArg
+    stride_oi: IntArg
+    stride_oh: IntArg
+    stride_li: IntArg
+    qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
+    v_scale: IntArg             # kv_scale for FP8 rows (the output's), else 1
+    o_desc: tensor_descriptor   # out's TMA descriptor (TMA_OUT), and the program's first row there
+    o_row0: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi,
+                 stride_qh, stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc, o_row0):
+        self.Q, self.O, self.LSE, self.q_base, self.o_base, self.l_base = Q, O, LSE, q_base, o_base, l_base
+        self.ml, self.seqlen, self.start, self.end, self.n_tiles = ml, constant(seqlen), start, end, n_tiles
+        self.H, self.S_Q, self.stride_qi, self.stride_qh = constant(H), constant(S_Q), constant(stride_qi), \
+            constant(stride_qh)
+        self.stride_oi, self.stride_oh, self.stride_li = constant(stride_oi), constant(stride_oh), constant(stride_li)
+        self.qk_scale, self.v_scale, self.o_desc, self.o_row0 = qk_scale, constant(v_scale), o_desc, o_row0
 
 
 @gluon.constexpr_function
@@ -158,32 +229,32 @@ def _rebase(m_own, m0):
 
 
 @gluon.jit
-def _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L: gl.constexpr, dtype: gl.constexpr):
+def _load_qpe(wk, S_L: gl.constexpr, dtype: gl.constexpr):
     """The RoPE part of the query rows, straight into the QK^T A-operand registers."""
     QPE_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-    rows = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, QPE_L))
+    rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, QPE_L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, QPE_L))
-    ptr = Q + q_base + (rows // H) * stride_qi + (rows % H) * stride_qh
-    mask = (rows < H * S_Q)[:, None] & (cols < 64)[None, :]
+    ptr = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
+    mask = (rows < wk.H * wk.S_Q)[:, None] & (cols < 64)[None, :]
     return gl.load(ptr[:, None] + (512 + cols)[None, :], mask=mask, other=0.0).to(dtype)
 
 
 @gluon.jit
-def _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, HALF: gl.constexpr, S_L: gl.constexpr):
+def _load_q_half(wk, q_smem, q_bar, HALF: gl.constexpr, S_L: gl.constexpr):
     """This warpgroup's half of the query rows' latent part (256 columns) -> shared memory,
     then wait for the other half: inside the partitions, so the loader's first TMA does not
     wait behind the query loads. Returns the RoPE part (``_load_qpe``). All the loads go out
     before the first store: one memory latency, where storing each chunk as it came (and the
     RoPE part after the wait) took three in a row (sm_90a SASS)."""
     LD_L: gl.constexpr = TILE_LD_L
-    rows = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
+    rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
     cl = gl.arange(0, 64, layout=gl.SliceLayout(0, LD_L))
-    qrow = Q + q_base + (rows // H) * stride_qi + (rows % H) * stride_qh
-    qmask = (rows < H * S_Q)[:, None] & (cl < 64)[None, :]
+    qrow = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
+    qmask = (rows < wk.H * wk.S_Q)[:, None] & (cl < 64)[None, :]
     ptr = qrow[:, None] + (HALF * 256 + cl)[None, :]
     xs = (gl.load(ptr, mask=qmask, other=0.0), gl.load(ptr + 64, mask=qmask, other=0.0),
           gl.load(ptr + 128, mask=qmask, other=0.0), gl.load(ptr + 192, mask=qmask, other=0.0))
-    qpe = _load_qpe(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, S_L, q_smem.dtype)
+    qpe = _load_qpe(wk, S_L, q_smem.dtype)
     for c in gl.static_range(4):
         q_smem.slice(HALF * 256 + c * 64, 64, dim=1).store(xs[c].to(q_smem.dtype))
     fence_async_shared()
@@ -193,18 +264,18 @@ def _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, HAL
 
 
 @gluon.jit
-def _limits(ml, seqlen, end, H, S_Q, CAUSAL: gl.constexpr, S_L: gl.constexpr):
+def _limits(wk, CAUSAL: gl.constexpr, S_L: gl.constexpr):
     """(per query row: keys < limit are visible; keys < full_to are in the split and visible to
     every row of the tile)."""
-    ms = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
+    ms = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
     if CAUSAL:                                     # query i sees keys < limit; row ml the fewest
-        return seqlen - S_Q + ms // H + 1, gl.minimum(end, seqlen - S_Q + ml // H + 1)
-    return gl.full([64], 0, gl.int32, gl.SliceLayout(1, S_L)) + seqlen, end
+        return (wk.seqlen - wk.S_Q + ms // wk.H + 1,
+                gl.minimum(wk.end, wk.seqlen - wk.S_Q + wk.ml // wk.H + 1))
+    return gl.full([64], 0, gl.int32, gl.SliceLayout(1, S_L)) + wk.seqlen, wk.end
 
 
 @gluon.jit
-def _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, col0,
-               v_scale, q_smem, o_desc, o_row0, WRITE_LSE: gl.constexpr, TMA_OUT: gl.constexpr,
+def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_OUT: gl.constexpr,
                S_L: gl.constexpr, ACC_L: gl.constexpr):
     """This warpgroup's 256 output columns (or the split's partial), and the LSE if WRITE_LSE.
     TMA_OUT (whole 64-row tiles of one sequence, out's dtype; the output with one split, else
@@ -213,24 +284,25 @@ def _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_
     TMA in 64-column boxes; the stores from the MMA's register layout wrote 16 bytes per row
     and instruction (about an eighth of a 128-head step at batch 128)."""
     empty = l_tot == 0.0
-    inv = v_scale / gl.where(empty, 1.0, l_tot)
+    inv = wk.v_scale / gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(inv, gl.SliceLayout(1, ACC_L))[:, None]
     if TMA_OUT:
         q_smem.slice(col0, 256, dim=1).store(out.to(q_smem.dtype))
         fence_async_shared()
         for c in gl.static_range(4):
-            tma.async_copy_shared_to_global(o_desc, [o_row0, col0 + c * 64], q_smem.slice(col0 + c * 64, 64, dim=1))
+            tma.async_copy_shared_to_global(wk.o_desc, [wk.o_row0, col0 + c * 64],
+                                            q_smem.slice(col0 + c * 64, 64, dim=1))
         tma.store_wait(0)
     else:
-        mo = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
+        mo = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
         do = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC_L))
-        o_row = O + o_base + (mo // H) * stride_oi + (mo % H) * stride_oh + col0
-        gl.store(o_row[:, None] + do[None, :], out.to(O.dtype.element_ty),
-                 mask=(mo < H * S_Q)[:, None] & (do < 256)[None, :])
+        o_row = wk.O + wk.o_base + (mo // wk.H) * wk.stride_oi + (mo % wk.H) * wk.stride_oh + col0
+        gl.store(o_row[:, None] + do[None, :], out.to(wk.O.dtype.element_ty),
+                 mask=(mo < wk.H * wk.S_Q)[:, None] & (do < 256)[None, :])
     if WRITE_LSE:
-        ms = ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_tot))) * 0.6931471805599453)
-        gl.store(LSE + l_base + (ms // H) * stride_li + ms % H, lse, mask=ms < H * S_Q)
+        ms = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_tot))) * LN2)
+        gl.store(wk.LSE + wk.l_base + (ms // wk.H) * wk.stride_li + ms % wk.H, lse, mask=ms < wk.H * wk.S_Q)
 
 
 @gluon.jit
@@ -244,147 +316,139 @@ def _add_other_l(l_i, mine, theirs, l_bar, ROW_L: gl.constexpr):
 
 
 @gluon.jit
-def _wg0(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
+def _wg0(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
     """Even tiles: S0, softmax, P0 -> shared, O_L += P0 V0_L, then O_L += P1 V1_L.
     sp: gathered keys (``mla.ops.decode.gluon.sparse``: the loader's one barrier a tile, keys
     masked by their index, the softmax started from the attention sink); None: paged keys."""
-    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
-     o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, v_scale, o_desc, o_row0) = a
-    BN: gl.constexpr = k_smem.shape[1]
-    NBUF: gl.constexpr = k_smem.shape[0]
+    BN: gl.constexpr = sm.k_smem.shape[1]
+    NBUF: gl.constexpr = sm.k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
     ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
-    dtype: gl.constexpr = q_smem.dtype
-    qpe = _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 0, S_L)
-    limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
+    dtype: gl.constexpr = sm.q_smem.dtype
+    qpe = _load_q_half(wk, sm.q_smem, sm.q_bar, 0, S_L)
+    limit, full_to = _limits(wk, CAUSAL, S_L)
     if sp is not None:
-        m_i = sink_start(sp, ml, H, ROW_L)
+        m_i = sink_start(sp, wk.ml, wk.H, ROW_L)
         l_i = gl.where(m_i == float("-inf"), 0.0, 1.0)      # the sink: one key of weight 2^(sink - m)
     else:
         m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
         l_i = gl.full([64], 0.0, gl.float32, ROW_L)
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
-    for i in range((n_tiles + 1) // 2):
+    for i in range((wk.n_tiles + 1) // 2):
         ph = i & 1                                # p_ready / p_free phase
         kph = (2 * i // NBUF) & 1                 # K ring phase of tile 2i
         b0 = (2 * i) % NBUF
         b1 = (2 * i + 1) % NBUF                   # (a ring of three FP8 slots: not b0 + 1)
-        n0 = start + 2 * i * BN
-        has1 = 2 * i + 1 < n_tiles
+        n0 = wk.start + 2 * i * BN
+        has1 = 2 * i + 1 < wk.n_tiles
         if sp is not None:
-            ok = key_mask(sp, n0, end, gl.SliceLayout(0, S_L), BN)
-            wait_gathered(ready, b0, kph)
+            ok = key_mask(sp, n0, wk.end, gl.SliceLayout(0, S_L), BN)
+            wait_gathered(sm.ready, b0, kph)
         else:
             ok = None
         if KV_FMT != 0:   # the producer widened tile 2i into slot b0
-            mbarrier.wait(ready.index(b0), kph)
-        s = _qk(q_smem, qpe, k_smem.index(b0), kpe_smem.index(b0), ready, b0, kph, n0, end, BN, S_L,
+            mbarrier.wait(sm.ready.index(b0), kph)
+        s = _qk(sm.q_smem, qpe, sm.k_smem.index(b0), sm.kpe_smem.index(b0), sm.ready, b0, kph, n0, wk.end, BN, S_L,
                 KV_FMT != 0 or sp is not None)
-        p, m0, a0, rs = _probs(s, n0, end, limit, full_to, m_i, qk_scale, BN, S_L, ok)
+        p, m0, a0, rs = _probs(s, n0, wk.end, limit, full_to, m_i, wk.qk_scale, BN, S_L, ok)
         l_i = l_i * a0 + rs
         p16 = p.to(dtype)
         # hand P0, m0, a0 to WG1 once it has consumed the previous ones
-        mbarrier.wait(p_free.index(0), ph ^ 1)
-        p_smem.index(0).store(p16)
-        stats[0].store(m0)
-        stats[1].store(a0)
+        mbarrier.wait(sm.p_free.index(0), ph ^ 1)
+        sm.p_smem.index(0).store(p16)
+        sm.stats[0].store(m0)
+        sm.stats[1].store(a0)
         fence_async_shared()
-        mbarrier.arrive(p_ready.index(0), count=1)
+        mbarrier.arrive(sm.p_ready.index(0), count=1)
         acc = acc * gl.convert_layout(a0, gl.SliceLayout(1, ACC_L))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_smem.index(b0).slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p16, P_L), sm.k_smem.index(b0).slice(0, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(2 * b0), count=1)
+        mbarrier.arrive(sm.empty.index(2 * b0), count=1)
         # P1 from WG1: rescale to its max and add P1 V1_L
-        mbarrier.wait(p_ready.index(1), ph)
-        m_i = stats[2].load(ROW_L)
-        a1 = stats[3].load(ROW_L)
+        mbarrier.wait(sm.p_ready.index(1), ph)
+        m_i = sm.stats[2].load(ROW_L)
+        a1 = sm.stats[3].load(ROW_L)
         l_i = l_i * a1
         acc = acc * gl.convert_layout(a1, gl.SliceLayout(1, ACC_L))[:, None]
         if has1:
-            acc = warpgroup_mma(p_smem.index(1), k_smem.index(b1).slice(0, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(sm.p_smem.index(1), sm.k_smem.index(b1).slice(0, 256, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(2 * b1), count=1)
-        mbarrier.arrive(p_free.index(1), count=1)
-    l_tot = _add_other_l(l_i, stats[4], stats[5], l_bar, ROW_L)
-    _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 0,
-               v_scale, q_smem, o_desc, o_row0, True, TMA_OUT, S_L, ACC_L)
+            mbarrier.arrive(sm.empty.index(2 * b1), count=1)
+        mbarrier.arrive(sm.p_free.index(1), count=1)
+    l_tot = _add_other_l(l_i, sm.stats[4], sm.stats[5], sm.l_bar, ROW_L)
+    _store_out(wk, sm.q_smem, acc, m_i, l_tot, 0, True, TMA_OUT, S_L, ACC_L)
 
 
 @gluon.jit
-def _wg1(a, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
+def _wg1(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constexpr, sp=None):
     """Odd tiles: S1 alongside WG0's S0, O_R += P0 V0_R, softmax against m0, O_R += P1 V1_R.
     sp: as ``_wg0``'s."""
-    (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar, q_base,
-     o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh, stride_li,
-     qk_scale, v_scale, o_desc, o_row0) = a
-    BN: gl.constexpr = k_smem.shape[1]
-    NBUF: gl.constexpr = k_smem.shape[0]
+    BN: gl.constexpr = sm.k_smem.shape[1]
+    NBUF: gl.constexpr = sm.k_smem.shape[0]
     S_L: gl.constexpr = _s_layout(BN)
     ACC_L: gl.constexpr = _ACC_L
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
-    dtype: gl.constexpr = q_smem.dtype
-    qpe = _load_q_half(Q, q_base, ml, H, S_Q, stride_qi, stride_qh, q_smem, q_bar, 1, S_L)
-    limit, full_to = _limits(ml, seqlen, end, H, S_Q, CAUSAL, S_L)
+    dtype: gl.constexpr = sm.q_smem.dtype
+    qpe = _load_q_half(wk, sm.q_smem, sm.q_bar, 1, S_L)
+    limit, full_to = _limits(wk, CAUSAL, S_L)
     l_i = gl.full([64], 0.0, gl.float32, ROW_L)
     if sp is not None:     # WG0 counts the sink's weight; both start from its reference
-        m_prev = sink_start(sp, ml, H, ROW_L)
+        m_prev = sink_start(sp, wk.ml, wk.H, ROW_L)
     else:
         m_prev = gl.full([64], float("-inf"), gl.float32, ROW_L)     # the shared reference of the last pair
     acc = gl.zeros([64, 256], gl.float32, ACC_L)
-    for i in range((n_tiles + 1) // 2):
+    for i in range((wk.n_tiles + 1) // 2):
         ph = i & 1
         kph = ((2 * i + 1) // NBUF) & 1           # K ring phase of tile 2i + 1
         b0 = (2 * i) % NBUF
         b1 = (2 * i + 1) % NBUF
-        n1 = start + (2 * i + 1) * BN
-        has1 = 2 * i + 1 < n_tiles
+        n1 = wk.start + (2 * i + 1) * BN
+        has1 = 2 * i + 1 < wk.n_tiles
         if sp is not None:
-            ok = key_mask(sp, n1, end, gl.SliceLayout(0, S_L), BN)      # none past end
+            ok = key_mask(sp, n1, wk.end, gl.SliceLayout(0, S_L), BN)      # none past end
         else:
             ok = None
         if has1:
             if sp is not None:
-                wait_gathered(ready, b1, kph)
+                wait_gathered(sm.ready, b1, kph)
             if KV_FMT != 0:
-                mbarrier.wait(ready.index(b1), kph)
-            s = _qk(q_smem, qpe, k_smem.index(b1), kpe_smem.index(b1), ready, b1, kph, n1, end, BN, S_L,
+                mbarrier.wait(sm.ready.index(b1), kph)
+            s = _qk(sm.q_smem, qpe, sm.k_smem.index(b1), sm.kpe_smem.index(b1), sm.ready, b1, kph, n1, wk.end, BN, S_L,
                     KV_FMT != 0 or sp is not None)
         else:
             s = gl.full([64, BN], float("-inf"), gl.float32, S_L)
         # the exponentials against this warpgroup's own reference, alongside WG0's softmax
-        p, m_own, rs = _probs_own(s, n1, end, limit, full_to, m_prev, qk_scale, BN, S_L, ok)
-        mbarrier.wait(p_ready.index(0), ph)
-        m0 = stats[0].load(ROW_L)
-        a0 = stats[1].load(ROW_L)
+        p, m_own, rs = _probs_own(s, n1, wk.end, limit, full_to, m_prev, wk.qk_scale, BN, S_L, ok)
+        mbarrier.wait(sm.p_ready.index(0), ph)
+        m0 = sm.stats[0].load(ROW_L)
+        a0 = sm.stats[1].load(ROW_L)
         acc = acc * gl.convert_layout(a0, gl.SliceLayout(1, ACC_L))[:, None]
-        acc = warpgroup_mma(p_smem.index(0), k_smem.index(b0).slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(sm.p_smem.index(0), sm.k_smem.index(b0).slice(256, 256, dim=1), acc, is_async=True)
         m1, c, a1 = _rebase(m_own, m0)
         l_i = l_i * a0 * a1 + rs * c
         p16 = (p * c[:, None]).to(dtype)
-        mbarrier.wait(p_free.index(1), ph ^ 1)
-        p_smem.index(1).store(p16)
-        stats[2].store(m1)
-        stats[3].store(a1)
+        mbarrier.wait(sm.p_free.index(1), ph ^ 1)
+        sm.p_smem.index(1).store(p16)
+        sm.stats[2].store(m1)
+        sm.stats[3].store(a1)
         fence_async_shared()
-        mbarrier.arrive(p_ready.index(1), count=1)
+        mbarrier.arrive(sm.p_ready.index(1), count=1)
         m_prev = m1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(p_free.index(0), count=1)
-        mbarrier.arrive(empty.index(2 * b0 + 1), count=1)
+        mbarrier.arrive(sm.p_free.index(0), count=1)
+        mbarrier.arrive(sm.empty.index(2 * b0 + 1), count=1)
         acc = acc * gl.convert_layout(a1, gl.SliceLayout(1, ACC_L))[:, None]
         if has1:
-            acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_smem.index(b1).slice(256, 256, dim=1), acc,
+            acc = warpgroup_mma(gl.convert_layout(p16, P_L), sm.k_smem.index(b1).slice(256, 256, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(2 * b1 + 1), count=1)
-    l_tot = _add_other_l(l_i, stats[5], stats[4], l_bar, ROW_L)
+            mbarrier.arrive(sm.empty.index(2 * b1 + 1), count=1)
+    l_tot = _add_other_l(l_i, sm.stats[5], sm.stats[4], sm.l_bar, ROW_L)
     m_i = gl.full([64], 0.0, gl.float32, ROW_L)     # unused: WG0 writes the LSE
-    _store_out(O, LSE, o_base, l_base, ml, H, S_Q, stride_oi, stride_oh, stride_li, acc, m_i, l_tot, 256,
-               v_scale, q_smem, o_desc, o_row0, False, TMA_OUT, S_L, ACC_L)
+    _store_out(wk, sm.q_smem, acc, m_i, l_tot, 256, False, TMA_OUT, S_L, ACC_L)
 
 
 @gluon.jit
@@ -426,12 +490,12 @@ def _producer(st8, k_smem, kpe_smem, kready, empty, start, end, n_tiles, kv_desc
 
 @gluon.jit
 def seesaw_buffers(dtype: gl.constexpr, NBUF: gl.constexpr, BN: gl.constexpr, SM_L: gl.constexpr,
-                   P_SM: gl.constexpr):
-    """The shared memory and barriers of the two warpgroups, set up (the loader's ready barriers
-    are the kernel's: their count depends on how it loads): the query's latent part, the K ring
-    of NBUF BN-key tiles, P0 / P1, the row statistics handed between them (m0, a0, m1, a1, l0,
-    l1), a K tile's two halves' "released" barriers (columns 0..255: WG0's P V; 256..511:
-    WG1's), P's ready / free, the l exchange and "both halves of Q stored"."""
+                   P_SM: gl.constexpr, N_READY: gl.constexpr, READY_COUNT: gl.constexpr):
+    """The two warpgroups' ``SeesawSmem``, set up: the query's latent part, the K ring of NBUF
+    BN-key tiles, P0 / P1, the row statistics handed between them (m0, a0, m1, a1, l0, l1), a K
+    tile's two halves' "released" barriers (columns 0..255: WG0's P V; 256..511: WG1's), P's
+    ready / free, the l exchange and "both halves of Q stored", and N_READY "tile landed"
+    barriers of READY_COUNT arrivals each (their number and count depend on the loader)."""
     ST_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     Q_SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
                                               rank=2)
@@ -454,7 +518,10 @@ def seesaw_buffers(dtype: gl.constexpr, NBUF: gl.constexpr, BN: gl.constexpr, SM
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(l_bar.index(0), count=2)
     mbarrier.init(q_bar.index(0), count=2)
-    return q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar, q_bar
+    ready = gl.allocate_shared_memory(gl.int64, [N_READY, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N_READY):
+        mbarrier.init(ready.index(i), count=READY_COUNT)
+    return SeesawSmem(q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar)
 
 
 @gluon.jit
@@ -484,21 +551,13 @@ def _seesaw_kernel(
         # not widen a tile before both warpgroups were done with the one two back in its slot
         NBUF: gl.constexpr = 3
         NLOAD: gl.constexpr = 2
-    (q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar,
-     q_bar) = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM)
-    if KV_FMT == 0:   # the loader's, one a 64-column box
-        ready = gl.allocate_shared_memory(gl.int64, [NLOAD * 9, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NLOAD * 9):
-            mbarrier.init(ready.index(i), count=1)
-    else:   # the producer's "K slot widened" (the warpgroups' ready), and the FP8 staging ring:
-        # latent, k_pe, scales (tile rows), one TMA barrier a stage
-        ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NBUF):
-            mbarrier.init(ready.index(i), count=1)
+    # ready: the loader's, one a 64-column box; FP8 rows: the producer's "K slot widened"
+    sm = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM, NLOAD * 9 if KV_FMT == 0 else NBUF, 1)
+    if KV_FMT != 0:   # the FP8 staging ring: latent, k_pe, scales (tile rows), one TMA barrier a stage
         k8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 512], kv_desc.layout)
         if KV_FMT == 1:
             pe8 = gl.allocate_shared_memory(kv_desc.dtype, [NLOAD, BN, 64], kv_desc.layout)
-            sc8 = stats[0]                               # not used
+            sc8 = sm.stats[0]                            # not used
         else:
             pe8 = gl.allocate_shared_memory(pe_desc.dtype, [NLOAD, BN, 64], pe_desc.layout)
             sc8 = gl.allocate_shared_memory(sc_desc.dtype, [NLOAD, BN, 4], sc_desc.layout)
@@ -521,23 +580,23 @@ def _seesaw_kernel(
 
     o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
-    args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
-            q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh, stride_oi, stride_oh,
-            stride_li, qk_scale, v_scale, o_desc, p * (H * S_Q) + ml)     # one split: p is b
+    wk = SeesawWork(Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh,
+                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc,
+                    p * (H * S_Q) + ml)     # one split: p is b
     if KV_FMT == 0:
         gl.warp_specialize([
-            (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
-            (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
-            (loader, (k_smem, kpe_smem, stats[0], ready, empty, start, n_tiles, kv_desc, pe_desc, sc_desc, BT, bt_row,
-                       block_size, blk0, KV_FMT, True)),
-        ], [4, 1], [240, 24])
+            (_wg0, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
+            (_wg1, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
+            (loader, (sm.k_smem, sm.kpe_smem, sm.stats[0], sm.ready, sm.empty, start, n_tiles, kv_desc, pe_desc,
+                      sc_desc, BT, bt_row, block_size, blk0, KV_FMT, True)),
+        ], [4, 1], REGS_WITH_LOADER)
     else:
         gl.warp_specialize([
-            (_wg0, (args, CAUSAL, KV_FMT, TMA_OUT)),
-            (_wg1, (args, CAUSAL, KV_FMT, TMA_OUT)),
-            (_producer, (st8, k_smem, kpe_smem, ready, empty, start, end, n_tiles, kv_desc, pe_desc, sc_desc, BT,
-                         bt_row, block_size, blk0, KV_FMT)),
-        ], [4, 4], [232, 40])     # 232 + 232 + 40 = 3 x 168: 40 keep the producer's widening out of spills
+            (_wg0, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
+            (_wg1, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
+            (_producer, (st8, sm.k_smem, sm.kpe_smem, sm.ready, sm.empty, start, end, n_tiles, kv_desc, pe_desc,
+                         sc_desc, BT, bt_row, block_size, blk0, KV_FMT)),
+        ], [4, 4], REGS_WITH_PRODUCER)
 
 
 def default_block_n(B: int, rows: int) -> int:
@@ -598,9 +657,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
             CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
-            # 3 warpgroups x 128 threads x 168 = the 64K register file: 240 each for WG0 and WG1, 24 for the loader
-            # (FP8 rows: 232, 232 and 40 for the producer)
-            num_warps=4, maxnreg=168, **pdl_launch(rows, pdl),
+            num_warps=4, maxnreg=MAXNREG, **pdl_launch(rows, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: default_splits(B, rows, max_len, q.device))
     return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl)

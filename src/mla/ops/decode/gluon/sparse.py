@@ -18,19 +18,17 @@ alternate 64-key tiles and hand each other P; only the keys' way in differs:
     out:     one split and whole 64-head tiles: bf16 straight into out by TMA (the seesaw's
              epilogue); else float32 partials and ``combine.combine``
 """
-from __future__ import annotations
-
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from ..._jit import num_sms
 from ..combine import combine
-from .common import BLOCK_M, D_QK, D_V, LOG2E, gather_loader
-from .seesaw import _wg0, _wg1, seesaw_buffers
+from .common import BLOCK_M, D_QK, D_V, LOG2E, MAXNREG, Gathered, gather_loader
+from .seesaw import REGS_WITH_LOADER, SeesawWork, _wg0, _wg1, seesaw_buffers
 
 __all__ = ["supports", "default_splits", "default_block_n", "launch"]
 
@@ -51,11 +49,7 @@ def _sparse_kernel(
     t = p // num_splits
     split = p % num_splits
 
-    (q_smem, k_smem, kpe_smem, p_smem, stats, empty, p_ready, p_free, l_bar,
-     q_bar) = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())    # a tile's 128 copiers
-    for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=128)
+    sm = seesaw_buffers(dtype, NBUF, BN, SM_L, P_SM, NBUF, 128)    # ready: a tile's 128 copiers
 
     start = split * chunk
     end = gl.minimum(start + chunk, topk)
@@ -65,16 +59,18 @@ def _sparse_kernel(
     fence_async_shared()      # the barriers' init, before the partitions use them
     gl.thread_barrier()
 
-    sp = (IDX + t64 * stride_in, num_slots, SINK, has_sink * (split == 0).to(gl.int32))
-    args = (Q, O, LSE, q_smem, k_smem, kpe_smem, p_smem, stats, ready, empty, p_ready, p_free, l_bar, q_bar,
-            t64 * stride_qn, split.to(gl.int64) * stride_os + t64 * stride_on,
-            split.to(gl.int64) * stride_ls + t64 * stride_ln, ml, end, start, end, n_tiles, H, 1, 0, stride_qh, 0,
-            stride_oh, 0, qk_scale, 1.0, o_desc, t * H + ml)
+    sp = Gathered(IDX + t64 * stride_in, num_slots, SINK, has_sink * (split == 0).to(gl.int32))
+    # token t is a "sequence" of one query row a head (s_q 1: no stride between query tokens) whose
+    # keys are its index list: its "length" is the split's end (no causal mask); rows in q's dtype
+    # (v_scale 1)
+    wk = SeesawWork(Q, O, LSE, t64 * stride_qn, split.to(gl.int64) * stride_os + t64 * stride_on,
+                    split.to(gl.int64) * stride_ls + t64 * stride_ln, ml, end, start, end, n_tiles, H, 1, 0, stride_qh,
+                    0, stride_oh, 0, qk_scale, 1.0, o_desc, t * H + ml)
     gl.warp_specialize([
-        (_wg0, (args, False, 0, TMA_OUT, sp)),
-        (_wg1, (args, False, 0, TMA_OUT, sp)),
-        (gather_loader, (k_smem, kpe_smem, ready, empty, KV, stride_row, sp, start, end, n_tiles)),
-    ], [4, 4], [240, 24])
+        (_wg0, (sm, wk, False, 0, TMA_OUT, sp)),
+        (_wg1, (sm, wk, False, 0, TMA_OUT, sp)),
+        (gather_loader, (sm.k_smem, sm.kpe_smem, sm.ready, sm.empty, KV, stride_row, sp, start, end, n_tiles)),
+    ], [4, 4], REGS_WITH_LOADER)
 
 
 def supports(q: torch.Tensor, kv_rows: torch.Tensor, head_dim_v: int) -> bool:
@@ -148,7 +144,7 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, attn_sink=None, num_s
         H, rows.shape[0], topk, chunk, S, softmax_scale * LOG2E, int(attn_sink is not None),
         BN=block_n, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
         P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out,
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=MAXNREG,
     )
     if S > 1:
         combine(o_part.unsqueeze(2), l_part.unsqueeze(2), out.unsqueeze(1), lse.unsqueeze(1), pdl=False)
