@@ -6,6 +6,8 @@ A fenced block's info string says how it runs:
   block continues an earlier one, as a reader does);
 - ``python gpu``: the same, where CUDA is available (skipped without it);
 - ``python torchrun=N``: one script run under ``torchrun --nproc_per_node N`` on CPU (gloo);
+- ``python client``: a client of a running ``mla serve``, not run here: tests/test_serving_http.py
+  starts the server and makes the same calls;
 - anything else (``bash``, plain fences, ``text``) is shown, not run.
 
 Relative links (``[text](path)``) and the repository paths they name must exist.
@@ -85,7 +87,7 @@ def test_torchrun_blocks_run(path, nproc, code, tmp_path):
 
 def test_every_python_block_is_run():
     """A block tagged with a typo (``pyhton``, ``python cpu``) would silently never run."""
-    known = re.compile(r"(python( gpu| torchrun=\d+)?|bash|text|)")
+    known = re.compile(r"(python( gpu| client| torchrun=\d+)?|bash|text|)")
     for path in DOCS:
         for info, _ in FENCE.findall(path.read_text()):
             assert known.fullmatch(info.strip()), f"{path.relative_to(ROOT)}: unknown fence info {info!r}"
