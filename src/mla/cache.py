@@ -499,7 +499,6 @@ class PagedLatentCache:
         self._prepared.add(batch)
         return batch
 
-
     def _table_batch(self, reqs, table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> Batch:
         cu_q, cu_k = [0], [0]
         for _, c, n in reqs:
