@@ -46,9 +46,11 @@ class Steps:
 
         def recording(kwargs):
             step = plan(kwargs)
-            b = step.batch
-            self.steps.append(list(zip(b.seq_ids, b.num_cached, b.num_new)))
-            self.graphed.append(all(type(r).__name__ == "StepGraph" for r in step.runners))
+            self.steps.append(list(step.requests))
+            if step.batch is not None:      # the eager forward's rows are the requests'
+                b = step.batch
+                assert list(zip(b.seq_ids, b.num_cached, b.num_new)) == self.steps[-1]
+            self.graphed.append(step.run is not None)
             return step
         handle.engine_step = recording
 
@@ -78,26 +80,37 @@ def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
     return model, handle, refs, out, steps
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_batch_matches_generate(case):
+def test_generate_batch_matches_generate(case, graphs):
     """Six prompts (one longer than max_batch_tokens): each request's greedy tokens are generate's;
-    the engine mixed prefills, a chunked prefill and decodes in its steps."""
-    model, handle, refs, out, steps = serve(case, [7, 20, 5, 11, 3, 9])
+    the engine mixed prefills, a chunked prefill and decodes in its steps. graphs=True: every
+    pure decode step ran the whole model on static buffers (on CPU eagerly, the buffers a CUDA
+    graph replays), every other step the eager forward."""
+    model, handle, refs, out, steps = serve(case, [7, 20, 5, 11, 3, 9], graphs=graphs)
     assert [o.generated_tokens for o in out.values()] == refs
     assert all(o.error is None for o in out.values())
     kinds = steps.kinds()
     assert any({"prefill", "decode"} <= k or {"chunk", "decode"} <= k for k in kinds), kinds
     assert any("chunk" in k for k in kinds), kinds
     steps.check_continuous()
+    decode = [k == {"decode"} for k in kinds]
+    assert sum(decode) >= 4 and steps.graphed == (decode if graphs else [False] * len(kinds))
 
 
-def test_decode_steps_on_step_graphs():
-    """graphs=True: pure decode steps run each layer's StepGraph (eagerly on CPU, the same static
-    buffers a CUDA graph replays), with generate's tokens."""
-    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5], graphs=True)
+def test_decode_steps_run_the_whole_step():
+    """graphs=True: the decode-only steps, and only they, run the whole model on static buffers
+    (no Batch of the tables); requests leaving and joining move rows, and a sequence entering a
+    new block extends its packed row: the tokens are generate's."""
+    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5, 3, 13], new_tokens=10, graphs=True,
+                                            max_batch_tokens=8)
     assert [o.generated_tokens for o in out.values()] == refs
-    decode = [k == {"decode"} for k in steps.kinds()]
-    assert sum(decode) >= 4 and steps.graphed == decode
+    kinds = steps.kinds()
+    decode = [k == {"decode"} for k in kinds]
+    mixed = [len(k) > 1 for k in kinds]
+    assert sum(decode) >= 4 and any(mixed) and steps.graphed == decode
+    assert len({len(s) for s, d in zip(steps.steps, decode) if d}) > 1      # several batch sizes
+    steps.check_continuous()
 
 
 @pytest.mark.parametrize("case", LINEAR)

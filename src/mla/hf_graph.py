@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .graph import StepGraph
+from .graph import DEFAULT_BUCKETS, StepGraph
 
 __all__ = ["DecodeStep"]
 
@@ -43,14 +43,15 @@ RING = 4                                   # pinned staging buffers of the rows
 class DecodeStep:
     """The patch's decode steps through one StepGraph a model (module docstring)."""
 
-    def __init__(self, handle, width: int, cuda_graphs: bool):
-        """handle: the PatchHandle (its model, cache, stand-ins and rows); width: the block
-        table's width, so every decode step (graphed or eager) runs the same decode kernel and
-        split count; cuda_graphs: replay the step from CUDA graphs (False: the same static
-        step, run eagerly)."""
+    def __init__(self, handle, width: int, cuda_graphs: bool, *, cache=None, buckets=DEFAULT_BUCKETS):
+        """handle: the PatchHandle (its model, stand-ins and rows); width: the block table's
+        width, so every decode step (graphed or eager) runs the same decode kernel and split
+        count; cuda_graphs: replay the step from CUDA graphs (False: the same static step, run
+        eagerly); cache: the PagedLatentCache the step runs on, default the handle's (an
+        engine's ``LatentCache`` gives its own); buckets: as ``mla.StepGraph``'s."""
         self.handle, self.width = handle, width
-        cache = handle.cache
-        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32,
+        cache = self.cache = handle.cache if cache is None else cache
+        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32, buckets=buckets,
                                input_shape=(TABLE + width,), cuda_graphs=cuda_graphs)
         self.max_rows = self.graph.buckets[-1]
         self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int32)   # int32: the transfer half as large
@@ -63,6 +64,7 @@ class DecodeStep:
         self._copied = [torch.cuda.Event() for _ in range(RING)] if on_gpu else []
         self._turn = 0
         self._row_seqs: list = []         # the sequence whose table row _host holds, per row
+        self._row_blocks: list[int] = []  # of an engine's tables: the blocks of each row written so far
         self._dirty = True                # rows to rebuild from the cache (after any change but a step)
         self._stub = torch.zeros(1, dtype=torch.uint8, device=cache.device)
         self._tokens = torch.zeros(self.max_rows, 1, dtype=torch.int64, device=cache.device)
@@ -100,8 +102,9 @@ class DecodeStep:
     # ---- one decode step, on the host ----------------------------------------------------
 
     def __call__(self, input_ids: torch.Tensor, seq_ids: list, lengths_before: list[int]):
-        """Reserve one token a row, pack the rows, replay: the logits [B, 1, V]."""
-        cache, bs, host, W = self.handle.cache, self.handle.cache.block_size, self._host, self.width
+        """The patch's step over its own cache: reserve one token a row, pack the rows, replay:
+        the logits [B, 1, V]."""
+        cache, bs, host = self.cache, self.cache.block_size, self._host
         B = len(seq_ids)
         slots = cache.append_tokens(seq_ids)
         if self._dirty or self._row_seqs != seq_ids:
@@ -109,7 +112,7 @@ class DecodeStep:
                 blocks = cache.blocks(s)
                 host[b, TABLE:TABLE + len(blocks)] = blocks
                 host[b, TABLE + len(blocks):] = 0
-            self._row_seqs, self._dirty = list(seq_ids), False
+            self._row_seqs, self._row_blocks, self._dirty = list(seq_ids), [], False
         for b in range(B):
             p = lengths_before[b]
             block = slots[b] // bs
@@ -118,16 +121,51 @@ class DecodeStep:
             host[b, POSITION] = p
             host[b, SLOT] = slots[b] + 1
             host[b, LENGTH] = p + 1
-        self._tokens[:B].copy_(input_ids.view(B, 1))   # rows past B keep earlier ids: padding, dropped
+        return self._launch(input_ids, B).unsqueeze(1)
+
+    def from_tables(self, input_ids: torch.Tensor, requests: list, tables: list) -> torch.Tensor:
+        """An engine's pure decode step over blocks it owns: requests [(seq_id, cached, 1), ...]
+        in the order of input_ids' B tokens, tables each one's block ids (covering cached + 1
+        tokens; only ever extended while the sequence runs: ``invalidate`` after anything else).
+        Packs the rows, replays: the logits [B, V]. The caller checked the step fits (B at most
+        max_rows, every sequence's cached + 1 tokens within width blocks)."""
+        bs, host, W = self.cache.block_size, self._host, self.width
+        rows, written = self._row_seqs, self._row_blocks
+        B = len(requests)
+        if self._dirty:
+            rows.clear()
+            written.clear()
+            self._dirty = False
+        if len(rows) < B:
+            rows.extend([None] * (B - len(rows)))
+            written.extend([0] * (B - len(written)))
+        for b, ((seq, c, _), table) in enumerate(zip(requests, tables)):
+            k = min(len(table), W)                     # blocks allocated ahead, past the positions: unread
+            if rows[b] != seq:
+                host[b, TABLE:TABLE + k] = table[:k]
+                host[b, TABLE + k:] = 0
+                rows[b], written[b] = seq, k
+            elif k != written[b]:                      # the engine gave the sequence more blocks
+                host[b, TABLE + written[b]:TABLE + k] = table[written[b]:k]
+                written[b] = k
+            host[b, POSITION] = c
+            host[b, SLOT] = table[c // bs] * bs + c % bs + 1
+            host[b, LENGTH] = c + 1
+        return self._launch(input_ids, B)
+
+    def _launch(self, input_ids: torch.Tensor, B: int) -> torch.Tensor:
+        """The B packed rows to the device in one transfer, the tokens into their buffer, and
+        the bucket's replay: the logits [B, V]."""
+        self._tokens[:B].copy_(input_ids.reshape(B, 1))   # rows past B keep earlier ids: padding, dropped
         if not self._staging:
-            return self.graph.run_packed(self._host_t[:B], B).unsqueeze(1)
+            return self.graph.run_packed(self._host_t[:B], B)
         k = self._turn = (self._turn + 1) % RING
         self._copied[k].synchronize()                  # returns at once: that step ran long ago
         rows = self._staging[k][:B]
         rows.copy_(self._host_t[:B])
         out = self.graph.run_packed(rows, B)
         self._copied[k].record()
-        return out.unsqueeze(1)
+        return out
 
     def set_lengths(self, past_cache, layer_ids, B: int, length: int) -> None:
         """transformers' Cache: every MLA layer's keys and values a [B, 1, length, 1] view of one
