@@ -1,5 +1,6 @@
 """The whole decode step of a patched transformers model on static buffers: one CUDA graph a
-batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps).
+batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps, and the pure
+decode steps of transformers' continuous-batching engine, ``mla.hf_engine``).
 
 ``generate`` decodes one token a row a step. What that step needs is on the host already: the
 handle knows each row's sequence, ``cache.append_tokens`` reserves each new token's slot, and
@@ -11,6 +12,12 @@ of their own), and replays the bucket's graph (``mla.StepGraph.run_packed``), wh
 kernels unpack it into the static batch and whose body is the model's own forward (embeddings, every decoder
 layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins running their
 ``mla.MLA`` layers on that batch. No host read-back: no ``.item()``, no mask or lengths read.
+
+An engine's decode step is packed alike from what the engine computed (``from_tables``): each
+request's cached length, and its block table from the engine's allocator, whose rows only grow
+while the request runs (a row is rewritten when another request takes it, only its new blocks
+otherwise); the slot of the new token is the table's, as the engine's write index has it. The
+engine samples from the logits of the rows it names (``logits_to_keep``).
 
 The step runs the model's forward with ``use_cache=False`` and a 4-D all-true mask, so that
 transformers builds no mask and keeps no cache inside the graph (the stand-ins ignore both);
@@ -139,18 +146,24 @@ class DecodeStep:
         if len(rows) < B:
             rows.extend([None] * (B - len(rows)))
             written.extend([0] * (B - len(written)))
+        cached, slots = [], []
         for b, ((seq, c, _), table) in enumerate(zip(requests, tables)):
-            k = min(len(table), W)                     # blocks allocated ahead, past the positions: unread
+            k = len(table)
             if rows[b] != seq:
+                k = min(k, W)                          # blocks allocated ahead, past the positions: unread
                 host[b, TABLE:TABLE + k] = table[:k]
                 host[b, TABLE + k:] = 0
                 rows[b], written[b] = seq, k
-            elif k != written[b]:                      # the engine gave the sequence more blocks
+            elif k != written[b] and written[b] < W:   # the engine gave the sequence more blocks
+                k = min(k, W)
                 host[b, TABLE + written[b]:TABLE + k] = table[written[b]:k]
                 written[b] = k
-            host[b, POSITION] = c
-            host[b, SLOT] = table[c // bs] * bs + c % bs + 1
-            host[b, LENGTH] = c + 1
+            cached.append(c)
+            slots.append(table[c // bs] * bs + c % bs + 1)
+        # a column at once: one conversion each, not three scalar writes a row
+        host[:B, POSITION] = cached
+        host[:B, SLOT] = slots
+        np.add(host[:B, POSITION], 1, out=host[:B, LENGTH])
         return self._launch(input_ids, B)
 
     def _launch(self, input_ids: torch.Tensor, B: int) -> torch.Tensor:
