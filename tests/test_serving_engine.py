@@ -226,14 +226,16 @@ def test_stop_tokens_sampling_and_num_return_sequences():
     assert all(o.generated_tokens == refs[0] for o in outs), outs
 
 
-def test_persistent_manager_serves_again():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_persistent_manager_serves_again(graphs):
     """generate_batch(persistent_manager=True) keeps the manager and its latent pool; the second
-    call reuses them, on the latent attention again, and the model's own is back after each."""
+    call reuses them (and the request ids, on other blocks), on the latent attention again, and
+    the model's own is back after each."""
     model = make_model("deepseek_v3")
     ps = prompts([6, 9], 7)
     refs = [reference(model, p, 6) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf_engine.enable(handle, graphs=graphs)
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
     cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
     first = model.generate_batch(ps, gen, continuous_batching_config=cb, persistent_manager=True)
@@ -261,3 +263,27 @@ def test_pool_sized_by_latent_rows():
     assert blocks == (available - fixed) // latent // 64
     assert blocks * 64 > 60 * (available - fixed) // expanded
     assert mla.hf_engine.pool_blocks(cfg, available=fixed, **kw) == 0
+
+
+def test_request_id_used_again_on_other_blocks():
+    """graphs=True: a request id used again after its request ended (transformers lets a caller
+    name requests) is packed from its new blocks, not the row its earlier request left."""
+    model = make_model("deepseek_v3")
+    first, second, other = prompts([6, 7, 9], 8)
+    refs = [reference(model, p, 8) for p in (first, second)]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle, graphs=True)
+    steps = Steps(handle)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
+    manager.start()
+    try:
+        manager.add_request(first, request_id="x")
+        got = [next(o for o in manager.request_id_iter("x") if o.is_finished()).generated_tokens]
+        manager.add_request(other, request_id="y", max_new_tokens=4)   # takes the blocks "x" freed
+        manager.add_request(second, request_id="x")
+        got.append(next(o for o in manager.request_id_iter("x") if o.is_finished()).generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert got == refs
+    assert sum(steps.graphed) >= 8

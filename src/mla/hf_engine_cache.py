@@ -3,8 +3,9 @@
 The engine's ``PagedAttentionCache`` stores K and V of ``num_key_value_heads x head_dim`` a
 token and layer; ``LatentCache`` keeps its block bookkeeping (the engine's ``BlockManager`` and
 a ``FullAttentionCacheAllocator``: allocation, prefix hashes, forks) over one
-``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into an
-``mla.Batch`` (``step``), and admits a request only with its whole life reserved, so that no
+``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into the patch's
+step (``step``: a pure decode step runs the whole model on static buffers, ``mla.hf_graph``;
+any other step is one ``mla.Batch`` of the engine's tables for the eager forward), and admits a request only with its whole life reserved, so that no
 running request ever starves and the engine never evicts one (``allocate_blocks``).
 """
 from __future__ import annotations
@@ -183,7 +184,7 @@ class LatentCache(PagedAttentionCache):
         self._reserved.pop(request_id, None)
         super().free_blocks(request_id)
         if self.decode is not None:
-            self.decode.invalidate()           # its packed rows name the request's blocks
+            self.decode.forget(request_id)     # its packed row names the request's blocks
 
     def compute_max_num_forks(self, source_request_id: str) -> int:
         per_child = self._fork_cost(source_request_id)

@@ -15,8 +15,8 @@ layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins 
 
 An engine's decode step is packed alike from what the engine computed (``from_tables``): each
 request's cached length, and its block table from the engine's allocator, whose rows only grow
-while the request runs (a row is rewritten when another request takes it, only its new blocks
-otherwise); the slot of the new token is the table's, as the engine's write index has it. The
+while the request runs (a request's packed row follows it when the batch's order changes,
+one gather of the rows, and gains only its new blocks); the slot of the new token is the table's, as the engine's write index has it. The
 engine samples from the logits of the rows it names (``logits_to_keep``).
 
 The step runs the model's forward with ``use_cache=False`` and a 4-D all-true mask, so that
@@ -133,38 +133,55 @@ class DecodeStep:
     def from_tables(self, input_ids: torch.Tensor, requests: list, tables: list) -> torch.Tensor:
         """An engine's pure decode step over blocks it owns: requests [(seq_id, cached, 1), ...]
         in the order of input_ids' B tokens, tables each one's block ids (covering cached + 1
-        tokens; only ever extended while the sequence runs: ``invalidate`` after anything else).
-        Packs the rows, replays: the logits [B, V]. The caller checked the step fits (B at most
-        max_rows, every sequence's cached + 1 tokens within width blocks)."""
+        tokens; only ever extended while the sequence runs: ``forget`` a finished sequence,
+        ``invalidate`` after anything else). Packs the rows, replays: the logits [B, V]. The
+        caller checked the step fits (B at most max_rows, every sequence's cached + 1 tokens
+        within width blocks)."""
         bs, host, W = self.cache.block_size, self._host, self.width
-        rows, written = self._row_seqs, self._row_blocks
-        B = len(requests)
-        if self._dirty:
-            rows.clear()
-            written.clear()
-            self._dirty = False
-        if len(rows) < B:
-            rows.extend([None] * (B - len(rows)))
-            written.extend([0] * (B - len(written)))
-        cached, slots = [], []
-        for b, ((seq, c, _), table) in enumerate(zip(requests, tables)):
+        seqs = [s for s, _, _ in requests]
+        if self._dirty or self._row_seqs != seqs:
+            self._arrange(seqs)
+        written = self._row_blocks
+        slots = []
+        for b, ((_, c, _), table) in enumerate(zip(requests, tables)):
             k = len(table)
-            if rows[b] != seq:
-                k = min(k, W)                          # blocks allocated ahead, past the positions: unread
-                host[b, TABLE:TABLE + k] = table[:k]
-                host[b, TABLE + k:] = 0
-                rows[b], written[b] = seq, k
-            elif k != written[b] and written[b] < W:   # the engine gave the sequence more blocks
-                k = min(k, W)
-                host[b, TABLE + written[b]:TABLE + k] = table[written[b]:k]
+            if k != written[b] and written[b] < W:     # a new row, or the engine gave it more blocks
+                k, w = min(k, W), max(written[b], 0)   # blocks allocated ahead, past the positions: unread
+                host[b, TABLE + w:TABLE + k] = table[w:k]
+                if written[b] < 0:
+                    host[b, TABLE + k:] = 0
                 written[b] = k
-            cached.append(c)
             slots.append(table[c // bs] * bs + c % bs + 1)
         # a column at once: one conversion each, not three scalar writes a row
-        host[:B, POSITION] = cached
-        host[:B, SLOT] = slots
-        np.add(host[:B, POSITION], 1, out=host[:B, LENGTH])
-        return self._launch(input_ids, B)
+        host[:len(seqs), POSITION] = [c for _, c, _ in requests]
+        host[:len(seqs), SLOT] = slots
+        np.add(host[:len(seqs), POSITION], 1, out=host[:len(seqs), LENGTH])
+        return self._launch(input_ids, len(seqs))
+
+    def _arrange(self, seqs: list) -> None:
+        """Rows in the order of seqs: a sequence packed at another row moves there (one gather of
+        the rows, not its table again); a new one is marked to be written (-1 blocks)."""
+        rows = {} if self._dirty else {s: b for b, s in enumerate(self._row_seqs) if s is not None}
+        src, dst, written = [], [], []
+        for b, s in enumerate(seqs):
+            j = rows.get(s)
+            if j is None:
+                written.append(-1)
+            else:
+                if j != b:
+                    src.append(j)
+                    dst.append(b)
+                written.append(self._row_blocks[j])
+        if src:
+            self._host[dst] = self._host[src]          # the right side is gathered first
+        self._row_seqs, self._row_blocks, self._dirty = list(seqs), written, False
+
+    def forget(self, seq) -> None:
+        """An engine's sequence ended: its row is never reused under its id (ids may repeat)."""
+        rows = self._row_seqs
+        for b, s in enumerate(rows):
+            if s == seq:
+                rows[b] = None
 
     def _launch(self, input_ids: torch.Tensor, B: int) -> torch.Tensor:
         """The B packed rows to the device in one transfer, the tokens into their buffer, and
