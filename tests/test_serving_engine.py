@@ -287,3 +287,22 @@ def test_request_id_used_again_on_other_blocks():
         manager.stop(block=True, timeout=10)
     assert got == refs
     assert sum(steps.graphed) >= 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_steps_graphed_on_gpu():
+    """On a GPU (graphs on by default): the pure decode steps replay the whole model's CUDA graph
+    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's."""
+    model = make_model("deepseek_v3").cuda()
+    ps = prompts([7, 20, 5, 11], 0)
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    steps = Steps(handle)
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+                               continuous_batching_config=config)
+    assert [o.generated_tokens for o in out.values()] == refs
+    decode = [k == {"decode"} for k in steps.kinds()]
+    assert sum(decode) >= 4 and steps.graphed == decode

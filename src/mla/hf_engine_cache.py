@@ -5,14 +5,14 @@ token and layer; ``LatentCache`` keeps its block bookkeeping (the engine's ``Blo
 a ``FullAttentionCacheAllocator``: allocation, prefix hashes, forks) over one
 ``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into the patch's
 step (``step``: a pure decode step runs the whole model on static buffers, ``mla.hf_graph``;
-any other step is one ``mla.Batch`` of the engine's tables for the eager forward), and admits a request only with its whole life reserved, so that no
-running request ever starves and the engine never evicts one (``allocate_blocks``).
+any other step is one ``mla.Batch`` of the engine's tables for the eager forward), and admits
+a request only with its whole life reserved, so that no running request ever starves and the
+engine never evicts one (``allocate_blocks``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,7 @@ from .hf_graph import DecodeStep
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_manager import BlockManager, FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 if TYPE_CHECKING:
     from .hf import PatchHandle
@@ -267,8 +268,6 @@ class LatentCache(PagedAttentionCache):
     def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
         """The whole decode step: the model's output with the logits the engine samples from,
         [1, rows, V] (the rows of ``logits_to_keep`` where the engine passed it)."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         logits = self.decode.from_tables(input_ids, reqs, tables)
         if isinstance(logits_to_keep, torch.Tensor):
             logits = logits.index_select(0, logits_to_keep)

@@ -14,10 +14,11 @@ layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins 
 ``mla.MLA`` layers on that batch. No host read-back: no ``.item()``, no mask or lengths read.
 
 An engine's decode step is packed alike from what the engine computed (``from_tables``): each
-request's cached length, and its block table from the engine's allocator, whose rows only grow
-while the request runs (a request's packed row follows it when the batch's order changes,
-one gather of the rows, and gains only its new blocks); the slot of the new token is the table's, as the engine's write index has it. The
-engine samples from the logits of the rows it names (``logits_to_keep``).
+request's cached length, and its block table from the engine's allocator, which only grows
+while the request runs (a request's packed row follows it when the batch's order changes, one
+gather of the rows, and gains only its new blocks); the new token's slot is the table's, as
+the engine's write index has it. The engine samples from the logits of the rows it names
+(``logits_to_keep``).
 
 The step runs the model's forward with ``use_cache=False`` and a 4-D all-true mask, so that
 transformers builds no mask and keeps no cache inside the graph (the stand-ins ignore both);
@@ -48,7 +49,8 @@ RING = 4                                   # pinned staging buffers of the rows
 
 
 class DecodeStep:
-    """The patch's decode steps through one StepGraph a model (module docstring)."""
+    """A patched model's decode steps (``generate``'s, an engine's pure decode steps) through
+    one StepGraph (module docstring)."""
 
     def __init__(self, handle, width: int, cuda_graphs: bool, *, cache=None, buckets=DEFAULT_BUCKETS):
         """handle: the PatchHandle (its model, stand-ins and rows); width: the block table's
