@@ -17,14 +17,16 @@ first pass compiles the Triton kernels' variants for the trace's shapes and capt
 decode graphs, which would otherwise land in the first timed run.
 
 Reported per run: output tokens/s, TTFT and TPOT (time per output token after the first)
-p50/p99, peak GPU memory, the most sequences in one step, how many steps replayed CUDA graphs,
-and where the loop's time goes: the engine's host work (scheduling, batch tensors, updates),
-the model's forward call (its host work, and the GPU wherever the forward waits on it: a
-pageable host-to-device copy of the step's tables waits for the stream), and the wait for the
-step's sampled tokens.
+p50/p99, peak GPU memory, the most sequences in one step, how many steps ran the whole model as
+one graph (pure decode steps, ``graphed_steps``), and where the loop's time goes: the engine's
+host work (scheduling, batch tensors, updates), the model's forward call of the other steps
+(its host work, and the GPU wherever the forward waits on it: a pageable host-to-device copy
+of the step's tables waits for the stream), the forward call of the graphed decode steps
+(host only: packing, one transfer, the replay's launch, the engine's sampling launches; per
+step as ``decode_step_host_ms``), and the wait for the step's sampled tokens.
 
     PYTHONPATH=src python3 benchmarks/serve.py --out serve.json
-    PYTHONPATH=src python3 benchmarks/serve.py --tiny     # a CPU smoke run of the same code
+    PYTHONPATH=src python3 benchmarks/serve.py --tiny [--graphs on]   # a CPU smoke run of the same code
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class Probe:
     """Times the engine's loop parts on one manager's processor, and counts its steps."""
 
     def __init__(self, manager, handle):
-        self.t = dict(engine_host=0.0, forward_host=0.0, gpu_wait=0.0)
+        self.t = dict(engine_host=0.0, forward_host=0.0, decode_forward_host=0.0, gpu_wait=0.0)
         self.steps = self.graphed = self.max_seqs = 0
         proc = manager.batch_processor
         self._wrap(proc, "prepare_next_batch", "engine_host")
@@ -90,8 +92,8 @@ class Probe:
         def counting(kwargs):
             step = plan(kwargs)
             self.steps += 1
-            self.graphed += step.runners is not handle.layers
-            self.max_seqs = max(self.max_seqs, step.batch.num_seqs)
+            self.graphed += step.run is not None
+            self.max_seqs = max(self.max_seqs, len(step.requests))
             return step
         handle.engine_step = counting
         self._restore = lambda: setattr(handle, "engine_step", plan)
@@ -100,11 +102,13 @@ class Probe:
         fn = getattr(obj, name)
 
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            graphed, t0 = self.graphed, time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.t[key] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                # a whole-step decode forward: its host time apart (no sync inside, so host only)
+                self.t["decode_forward_host" if key == "forward_host" and self.graphed > graphed else key] += dt
         setattr(obj, name, timed)
 
     def close(self):
@@ -118,8 +122,8 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device):
     probe = Probe(manager, handle)
     pool_tokens = manager.cache.num_pages
     if device == "cuda":
-        for g in manager.cache.graphs or []:
-            g.capture()
+        if manager.cache.decode is not None:
+            manager.cache.decode.graph.capture()     # every bucket now, not in the timed loop
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     manager.start()
@@ -163,6 +167,7 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device):
                 tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
                 peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else None,
                 most_in_flight=probe.max_seqs, steps=probe.steps, graphed_steps=probe.graphed,
+                decode_step_host_ms=1e3 * probe.t["decode_forward_host"] / max(probe.graphed, 1),
                 pool_tokens=pool_tokens,
                 time_split={k: round(v, 3) for k, v in probe.t.items()})
 
@@ -213,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--static-requests", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--memory", type=float, default=0.4, help="max_memory_percent of the engine's pool")
+    ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                    help="the engine's whole-step decode graphs (mla.hf_engine.enable's graphs: None, True, False)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -225,7 +232,7 @@ def main(argv=None):
     # the patch's own cache serves the static batches: the widest batch of the longest requests
     blocks = max(map(int, args.static_batches.split(","))) * -(-longest // bs) + 8
     handle = mla.hf.patch(model, num_blocks=blocks, block_size=bs)
-    mla.hf_engine.enable(handle)
+    mla.hf_engine.enable(handle, graphs=dict(auto=None, on=True, off=False)[args.graphs])
     cb_kw = dict(block_size=bs, max_batch_tokens=args.max_batch_tokens,
                  max_memory_percent=args.memory, allow_block_sharing=False)
     if args.tiny:

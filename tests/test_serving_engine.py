@@ -46,9 +46,11 @@ class Steps:
 
         def recording(kwargs):
             step = plan(kwargs)
-            b = step.batch
-            self.steps.append(list(zip(b.seq_ids, b.num_cached, b.num_new)))
-            self.graphed.append(all(type(r).__name__ == "StepGraph" for r in step.runners))
+            self.steps.append(list(step.requests))
+            if step.batch is not None:      # the eager forward's rows are the requests'
+                b = step.batch
+                assert list(zip(b.seq_ids, b.num_cached, b.num_new)) == self.steps[-1]
+            self.graphed.append(step.run is not None)
             return step
         handle.engine_step = recording
 
@@ -78,26 +80,37 @@ def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
     return model, handle, refs, out, steps
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_batch_matches_generate(case):
+def test_generate_batch_matches_generate(case, graphs):
     """Six prompts (one longer than max_batch_tokens): each request's greedy tokens are generate's;
-    the engine mixed prefills, a chunked prefill and decodes in its steps."""
-    model, handle, refs, out, steps = serve(case, [7, 20, 5, 11, 3, 9])
+    the engine mixed prefills, a chunked prefill and decodes in its steps. graphs=True: every
+    pure decode step ran the whole model on static buffers (on CPU eagerly, the buffers a CUDA
+    graph replays), every other step the eager forward."""
+    model, handle, refs, out, steps = serve(case, [7, 20, 5, 11, 3, 9], graphs=graphs)
     assert [o.generated_tokens for o in out.values()] == refs
     assert all(o.error is None for o in out.values())
     kinds = steps.kinds()
     assert any({"prefill", "decode"} <= k or {"chunk", "decode"} <= k for k in kinds), kinds
     assert any("chunk" in k for k in kinds), kinds
     steps.check_continuous()
+    decode = [k == {"decode"} for k in kinds]
+    assert sum(decode) >= 4 and steps.graphed == (decode if graphs else [False] * len(kinds))
 
 
-def test_decode_steps_on_step_graphs():
-    """graphs=True: pure decode steps run each layer's StepGraph (eagerly on CPU, the same static
-    buffers a CUDA graph replays), with generate's tokens."""
-    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5], graphs=True)
+def test_decode_steps_run_the_whole_step():
+    """graphs=True: the decode-only steps, and only they, run the whole model on static buffers
+    (no Batch of the tables); requests leaving and joining move rows, and a sequence entering a
+    new block extends its packed row: the tokens are generate's."""
+    model, handle, refs, out, steps = serve("deepseek_v3", [7, 20, 5, 3, 13], new_tokens=10, graphs=True,
+                                            max_batch_tokens=8)
     assert [o.generated_tokens for o in out.values()] == refs
-    decode = [k == {"decode"} for k in steps.kinds()]
-    assert sum(decode) >= 4 and steps.graphed == decode
+    kinds = steps.kinds()
+    decode = [k == {"decode"} for k in kinds]
+    mixed = [len(k) > 1 for k in kinds]
+    assert sum(decode) >= 4 and any(mixed) and steps.graphed == decode
+    assert len({len(s) for s, d in zip(steps.steps, decode) if d}) > 1      # several batch sizes
+    steps.check_continuous()
 
 
 @pytest.mark.parametrize("case", LINEAR)
@@ -213,14 +226,16 @@ def test_stop_tokens_sampling_and_num_return_sequences():
     assert all(o.generated_tokens == refs[0] for o in outs), outs
 
 
-def test_persistent_manager_serves_again():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_persistent_manager_serves_again(graphs):
     """generate_batch(persistent_manager=True) keeps the manager and its latent pool; the second
-    call reuses them, on the latent attention again, and the model's own is back after each."""
+    call reuses them (and the request ids, on other blocks), on the latent attention again, and
+    the model's own is back after each."""
     model = make_model("deepseek_v3")
     ps = prompts([6, 9], 7)
     refs = [reference(model, p, 6) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf_engine.enable(handle, graphs=graphs)
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
     cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
     first = model.generate_batch(ps, gen, continuous_batching_config=cb, persistent_manager=True)
@@ -248,3 +263,46 @@ def test_pool_sized_by_latent_rows():
     assert blocks == (available - fixed) // latent // 64
     assert blocks * 64 > 60 * (available - fixed) // expanded
     assert mla.hf_engine.pool_blocks(cfg, available=fixed, **kw) == 0
+
+
+def test_request_id_used_again_on_other_blocks():
+    """graphs=True: a request id used again after its request ended (transformers lets a caller
+    name requests) is packed from its new blocks, not the row its earlier request left."""
+    model = make_model("deepseek_v3")
+    first, second, other = prompts([6, 7, 9], 8)
+    refs = [reference(model, p, 8) for p in (first, second)]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle, graphs=True)
+    steps = Steps(handle)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
+    manager.start()
+    try:
+        manager.add_request(first, request_id="x")
+        got = [next(o for o in manager.request_id_iter("x") if o.is_finished()).generated_tokens]
+        manager.add_request(other, request_id="y", max_new_tokens=4)   # takes the blocks "x" freed
+        manager.add_request(second, request_id="x")
+        got.append(next(o for o in manager.request_id_iter("x") if o.is_finished()).generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert got == refs
+    assert sum(steps.graphed) >= 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_steps_graphed_on_gpu():
+    """On a GPU (graphs on by default): the pure decode steps replay the whole model's CUDA graph
+    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's."""
+    model = make_model("deepseek_v3").cuda()
+    ps = prompts([7, 20, 5, 11], 0)
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    steps = Steps(handle)
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+                               continuous_batching_config=config)
+    assert [o.generated_tokens for o in out.values()] == refs
+    decode = [k == {"decode"} for k in steps.kinds()]
+    assert sum(decode) >= 4 and steps.graphed == decode

@@ -103,7 +103,10 @@ class _Step:
     """What every stand-in of one forward shares."""
     batch: Any                  # mla.Batch, or None when no row brings a real token
     index: torch.Tensor | None  # [T] flat rows (b * S + s) of the real tokens; None: all B * S rows
-    runners: Any = None         # what runs each MLA layer (by index) instead, for an engine's step (mla.hf_engine)
+    # an engine's step (mla.hf_engine): its (request, cached, new) rows, and the whole forward on
+    # static buffers where it runs there (a pure decode step), returning the model's output
+    requests: Any = None
+    run: Any = None
 
 
 class _MLAAttention(nn.Module):
@@ -126,8 +129,7 @@ class _MLAAttention(nn.Module):
         if step.batch is not None:
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
-            run = self.mla if step.runners is None else step.runners[self.mla.layer_idx]
-            y = run(x.to(self.mla.dtype).contiguous(), step.batch).to(hidden_states.dtype)
+            y = self.mla(x.to(self.mla.dtype).contiguous(), step.batch).to(hidden_states.dtype)
             if step.index is None:
                 out = y
             else:
@@ -237,6 +239,7 @@ class PatchHandle:
         self._pending: int | None = None
         # plans the forwards of transformers' continuous-batching engine (set by mla.hf_engine.enable)
         self.engine_step = None
+        self._engine_next: _Step | None = None   # the engine's step planned by _forward, for the pre-hook
 
     def _build(self, cache: PagedLatentCache, dtype: torch.dtype, device: torch.device) -> None:
         """The layers on ``cache`` from the original modules' weights, their stand-ins swapped in,
@@ -340,9 +343,19 @@ class PatchHandle:
     # ---- one forward --------------------------------------------------------------------
 
     def _forward(self, *args, **kwargs):
-        """The model's forward: a decode step on the static step, anything else as it was."""
+        """The model's forward: a decode step on the static step, an engine's step as its plan
+        says, anything else as it was."""
         if self._swapped:
             self._follow_model()
+            if self.engine_step is not None and "write_index" in kwargs:
+                step = self.engine_step(kwargs)
+                if step.run is not None:      # the whole forward on static buffers
+                    return step.run()
+                self._engine_next = step
+                try:
+                    return self._original_forward(*args, **kwargs)
+                finally:
+                    self._engine_next = None
             if self._decode is not None and not args:
                 out = self._decode_step(kwargs)
                 if out is not None:
@@ -396,7 +409,10 @@ class PatchHandle:
         if self._static:                      # the static step's forward: its batch is set
             return None
         if self.engine_step is not None and "write_index" in kwargs:
-            self._step = self.engine_step(kwargs)   # an engine step: the engine's tables, not a Cache
+            # an engine step: the engine's tables, not a Cache (planned by _forward already, unless
+            # the decoder stack was called directly)
+            step, self._engine_next = self._engine_next, None
+            self._step = step if step is not None else self.engine_step(kwargs)
             return None
         self._follow_model()
         if self._decode is not None:
@@ -470,7 +486,7 @@ class PatchHandle:
         if self._static:
             return None
         step, self._step = self._step, None
-        if step is not None and step.runners is not None:   # an engine step: the request is not the patch's
+        if step is not None and step.requests is not None:   # an engine step: the request is not the patch's
             return None
         past_cache = kwargs.get("past_key_values")
         if past_cache is None:                 # the model made its own Cache (use_cache, no cache given)

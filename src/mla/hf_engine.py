@@ -13,10 +13,13 @@ Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
   for DeepSeek-V3, in a ``PagedLatentCache``) instead of expanded K/V, and sizes the pool from
   that row: the same memory holds ``H * (dn + dr + dv) / (r + dr)`` times more tokens (71x for
   DeepSeek-V3's 128 heads);
-- each forward of the engine, the patch's pre-hook asks ``LatentCache.step`` for the step: the
-  engine's block tables and write index (its slot mapping) become one ``mla.Batch``
-  (``PagedLatentCache.batch_from_tables``) that every MLA layer reads; pure decode steps replay
-  each layer's ``mla.StepGraph`` (CUDA), everything else runs eagerly.
+- each forward of the engine, the patched forward asks ``LatentCache.step`` for the step. A pure
+  decode step (one new token a request) that a bucket holds runs the whole model, embeddings to
+  logits, on static buffers (``mla.hf_graph.DecodeStep``, as the patch's ``generate`` does): one
+  CUDA graph replay a step, its rows packed on the host from the engine's block tables and
+  copied in one transfer. Any other step (prefills, chunked prefills, mixed) runs the model
+  eagerly: the engine's block tables and write index (its slot mapping) become one ``mla.Batch``
+  (``PagedLatentCache.batch_from_tables``) that every MLA layer reads.
 
 Admission never evicts: a request is admitted only when the pool holds its whole life (prompt +
 ``max_new_tokens``) beside what the admitted requests may still grow to, so a running request
@@ -52,7 +55,8 @@ __all__ = ["enable", "Engine", "LatentBatchingManager", "LatentCache", "RequestR
 # the MLA modules are mla's stand-ins, which never reach transformers' attention functions.
 ATTENTION = "paged|mla_latent"
 # What the engine's own paths need that a latent cache does not provide (docs/serving.md)
-_REFUSED = dict(use_cuda_graph="its graphs capture the model's forward, whose mla step is planned on the host",
+_REFUSED = dict(use_cuda_graph="its graphs capture the model's forward on the engine's padded inputs; mla's pure "
+                                "decode steps replay a graph of their own (enable's graphs)",
                 use_async_batching="it prepares step N+1 while step N runs; mla plans a step from the engine's "
                                    "calls for that step",
                 varlen_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
@@ -68,9 +72,11 @@ def _never_called(*args, **kwargs):
 def enable(handle: PatchHandle, *, graphs: bool | None = None) -> "Engine":
     """Serve ``handle.model`` (patched by ``mla.hf.patch``) through transformers' continuous
     batching: after this, ``model.generate_batch``, ``model.init_continuous_batching`` and
-    ``transformers serve`` run on a latent cache. ``graphs``: replay pure decode steps from
-    CUDA graphs (one ``mla.StepGraph`` a layer); None: on a GPU, for families without a sparse
-    indexer (as ``patch``). Returns the ``Engine``; ``engine.disable()`` (or ``handle.unpatch()``
+    ``transformers serve`` run on a latent cache. ``graphs``: run pure decode steps as the whole
+    model on static buffers, one CUDA graph a bucket of 1-256 requests (on CPU the same static
+    step, eagerly); None: on a GPU, for families without a sparse indexer (as ``patch``); True
+    for a sparse family too, refused (ValueError when the manager is made) for the k-pool
+    indexer, which needs host lengths. Returns the ``Engine``; ``engine.disable()`` (or ``handle.unpatch()``
     then a new patch) restores the model's own method.
     Raises ValueError for a model enabled already, or a family whose other layers keep state the
     engine cannot page (Kimi Linear's and GLM-5.3-Flash's linear attention)."""

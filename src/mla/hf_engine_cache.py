@@ -3,23 +3,28 @@
 The engine's ``PagedAttentionCache`` stores K and V of ``num_key_value_heads x head_dim`` a
 token and layer; ``LatentCache`` keeps its block bookkeeping (the engine's ``BlockManager`` and
 a ``FullAttentionCacheAllocator``: allocation, prefix hashes, forks) over one
-``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into an
-``mla.Batch`` (``step``), and admits a request only with its whole life reserved, so that no
-running request ever starves and the engine never evicts one (``allocate_blocks``).
+``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into the patch's
+step (``step``: a pure decode step runs the whole model on static buffers, ``mla.hf_graph``;
+any other step is one ``mla.Batch`` of the engine's tables for the eager forward), and admits
+a request only with its whole life reserved, so that no running request ever starves and the
+engine never evicts one (``allocate_blocks``).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
 from .cache import PagedLatentCache
-from .graph import DEFAULT_BUCKETS, StepGraph
-from .hf import _Step
+from .graph import DEFAULT_BUCKETS
+from .hf import _graph_problem, _Step
+from .hf_graph import DecodeStep
 
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_manager import BlockManager, FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 if TYPE_CHECKING:
     from .hf import PatchHandle
@@ -99,7 +104,7 @@ class LatentCache(PagedAttentionCache):
         self.scheduler = None                  # set by the manager: admission reads the requests' budgets
         self._reserved: dict[str, int] = {}    # admitted request -> blocks it may still allocate
         self._step: list[tuple[str, int, int]] = []   # (request, cached, new) of the step being prepared
-        self.graphs = self._graphs(engine, handle)
+        self.decode = self._whole_step(engine, handle)   # pure decode steps; None: every step eager
 
     # ---- sizing -----------------------------------------------------------------------------
 
@@ -120,17 +125,21 @@ class LatentCache(PagedAttentionCache):
                              "raise max_memory_percent")
         return M, blocks
 
-    def _graphs(self, engine: Engine, handle: PatchHandle) -> list[StepGraph] | None:
+    def _whole_step(self, engine: Engine, handle: PatchHandle) -> DecodeStep | None:
+        """The model's whole decode step on static buffers (``mla.hf_graph``), one CUDA graph a
+        bucket of 1-256 sequences, where ``engine.graphs`` asks for it (None: on a GPU, for
+        families without a sparse indexer); ValueError where it was asked for and cannot serve."""
         on = engine.graphs
         if on is None:
             on = self.device.type == "cuda" and not handle.cfg.has_indexer
         if not on:
             return None
+        problem = _graph_problem(handle._family_cfg, self.latent)
+        if problem:
+            raise ValueError(f"graphs: {handle.model_type!r}: {problem} (enable with graphs=False)")
         width = min(self.num_blocks, -(-handle.cfg.max_position_embeddings // self.block_size))
         buckets = tuple(b for b in DEFAULT_BUCKETS + (256,) if b <= max(self.max_batch_tokens, 1))
-        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        return [StepGraph(layer, self.latent, max_blocks_per_seq=width, dtype=layer.dtype, buckets=buckets,
-                          pool=pool) for layer in handle.layers]
+        return DecodeStep(handle, width, cuda_graphs=True, cache=self.latent, buckets=buckets)
 
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
         """ValueError if a request of prompt_tokens + new_tokens can never be admitted."""
@@ -175,6 +184,8 @@ class LatentCache(PagedAttentionCache):
     def free_blocks(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
         super().free_blocks(request_id)
+        if self.decode is not None:
+            self.decode.forget(request_id)     # its packed row names the request's blocks
 
     def compute_max_num_forks(self, source_request_id: str) -> int:
         per_child = self._fork_cost(source_request_id)
@@ -209,6 +220,8 @@ class LatentCache(PagedAttentionCache):
         super().free_all_requests()
         self._reserved.clear()
         self._step = []
+        if self.decode is not None:
+            self.decode.invalidate()
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -226,20 +239,38 @@ class LatentCache(PagedAttentionCache):
         raise ValueError("the latent cache holds no K/V: only mla's MLA stand-ins run on it")
 
     def step(self, kwargs) -> _Step:
-        """The patch's step for the engine's forward ``kwargs``: the requests the engine prepared
-        since the last forward, their block tables and the engine's write index as one Batch."""
+        """The patch's step for the engine's forward ``kwargs``, from the requests the engine
+        prepared since the last forward: a pure decode step that a bucket holds runs the whole
+        model on static buffers (``_Step.run``: one CUDA graph replay, its rows packed from the
+        block tables on the host); any other step is one Batch of their block tables and the
+        engine's write index, which every MLA layer of the eager forward reads."""
         reqs, self._step = self._step, []
         T = kwargs["input_ids"].shape[-1]
         if sum(n for _, _, n in reqs) != T:
             raise ValueError(f"input_ids: {T} tokens, expected the {sum(n for _, _, n in reqs)} of the requests the "
                              "engine prepared for this step")
-        tables = [self.group_cache_managers[0].block_table[r] for r, _, _ in reqs]
-        write_index = kwargs["write_index"][0][:T]
+        block_table = self.group_cache_managers[0].block_table
+        tables = [block_table[r] for r, _, _ in reqs]
         if self.device.type == "cuda":
             # the engine fills its index tensors on the default stream and runs the forward on
-            # its compute stream: order the two before the layers read the write index
+            # its compute stream: order the two before the step reads them
             torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
-        batch = self.latent.batch_from_tables(reqs, tables, write_index)
-        layers = self.engine.handle.layers
-        runners = self.graphs if self.graphs is not None and self.graphs[0].fits(batch) else layers
-        return _Step(batch, None, runners=runners)
+        decode = self.decode
+        if decode is not None and T <= decode.max_rows:
+            limit = decode.width * self.block_size
+            if all(n == 1 and 0 < c < limit for _, c, n in reqs):
+                run = functools.partial(self._run_decode, kwargs["input_ids"], kwargs.get("logits_to_keep"), reqs,
+                                        tables)
+                return _Step(None, None, requests=reqs, run=run)
+        batch = self.latent.batch_from_tables(reqs, tables, kwargs["write_index"][0][:T])
+        return _Step(batch, None, requests=reqs)
+
+    def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
+        """The whole decode step: the model's output with the logits the engine samples from,
+        [1, rows, V] (the rows of ``logits_to_keep`` where the engine passed it)."""
+        logits = self.decode.from_tables(input_ids, reqs, tables)
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits = logits.index_select(0, logits_to_keep)
+        elif logits_to_keep:
+            logits = logits[-logits_to_keep:]
+        return CausalLMOutputWithPast(logits=logits.unsqueeze(0))

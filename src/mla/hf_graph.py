@@ -1,5 +1,6 @@
 """The whole decode step of a patched transformers model on static buffers: one CUDA graph a
-batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps).
+batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps, and the pure
+decode steps of transformers' continuous-batching engine, ``mla.hf_engine``).
 
 ``generate`` decodes one token a row a step. What that step needs is on the host already: the
 handle knows each row's sequence, ``cache.append_tokens`` reserves each new token's slot, and
@@ -11,6 +12,13 @@ of their own), and replays the bucket's graph (``mla.StepGraph.run_packed``), wh
 kernels unpack it into the static batch and whose body is the model's own forward (embeddings, every decoder
 layer with its norms and MLP / MoE, the final norm, lm_head) with the stand-ins running their
 ``mla.MLA`` layers on that batch. No host read-back: no ``.item()``, no mask or lengths read.
+
+An engine's decode step is packed alike from what the engine computed (``from_tables``): each
+request's cached length, and its block table from the engine's allocator, which only grows
+while the request runs (a request's packed row follows it when the batch's order changes, one
+gather of the rows, and gains only its new blocks); the new token's slot is the table's, as
+the engine's write index has it. The engine samples from the logits of the rows it names
+(``logits_to_keep``).
 
 The step runs the model's forward with ``use_cache=False`` and a 4-D all-true mask, so that
 transformers builds no mask and keeps no cache inside the graph (the stand-ins ignore both);
@@ -32,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .graph import StepGraph
+from .graph import DEFAULT_BUCKETS, StepGraph
 
 __all__ = ["DecodeStep"]
 
@@ -41,16 +49,18 @@ RING = 4                                   # pinned staging buffers of the rows
 
 
 class DecodeStep:
-    """The patch's decode steps through one StepGraph a model (module docstring)."""
+    """A patched model's decode steps (``generate``'s, an engine's pure decode steps) through
+    one StepGraph (module docstring)."""
 
-    def __init__(self, handle, width: int, cuda_graphs: bool):
-        """handle: the PatchHandle (its model, cache, stand-ins and rows); width: the block
-        table's width, so every decode step (graphed or eager) runs the same decode kernel and
-        split count; cuda_graphs: replay the step from CUDA graphs (False: the same static
-        step, run eagerly)."""
+    def __init__(self, handle, width: int, cuda_graphs: bool, *, cache=None, buckets=DEFAULT_BUCKETS):
+        """handle: the PatchHandle (its model, stand-ins and rows); width: the block table's
+        width, so every decode step (graphed or eager) runs the same decode kernel and split
+        count; cuda_graphs: replay the step from CUDA graphs (False: the same static step, run
+        eagerly); cache: the PagedLatentCache the step runs on, default the handle's (an
+        engine's ``LatentCache`` gives its own); buckets: as ``mla.StepGraph``'s."""
         self.handle, self.width = handle, width
-        cache = handle.cache
-        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32,
+        cache = self.cache = handle.cache if cache is None else cache
+        self.graph = StepGraph(self._step, cache, max_blocks_per_seq=width, dtype=torch.int32, buckets=buckets,
                                input_shape=(TABLE + width,), cuda_graphs=cuda_graphs)
         self.max_rows = self.graph.buckets[-1]
         self._host = np.zeros((self.max_rows, TABLE + width), dtype=np.int32)   # int32: the transfer half as large
@@ -63,6 +73,7 @@ class DecodeStep:
         self._copied = [torch.cuda.Event() for _ in range(RING)] if on_gpu else []
         self._turn = 0
         self._row_seqs: list = []         # the sequence whose table row _host holds, per row
+        self._row_blocks: list[int] = []  # of an engine's tables: the blocks of each row written so far
         self._dirty = True                # rows to rebuild from the cache (after any change but a step)
         self._stub = torch.zeros(1, dtype=torch.uint8, device=cache.device)
         self._tokens = torch.zeros(self.max_rows, 1, dtype=torch.int64, device=cache.device)
@@ -100,8 +111,9 @@ class DecodeStep:
     # ---- one decode step, on the host ----------------------------------------------------
 
     def __call__(self, input_ids: torch.Tensor, seq_ids: list, lengths_before: list[int]):
-        """Reserve one token a row, pack the rows, replay: the logits [B, 1, V]."""
-        cache, bs, host, W = self.handle.cache, self.handle.cache.block_size, self._host, self.width
+        """The patch's step over its own cache: reserve one token a row, pack the rows, replay:
+        the logits [B, 1, V]."""
+        cache, bs, host = self.cache, self.cache.block_size, self._host
         B = len(seq_ids)
         slots = cache.append_tokens(seq_ids)
         if self._dirty or self._row_seqs != seq_ids:
@@ -109,7 +121,7 @@ class DecodeStep:
                 blocks = cache.blocks(s)
                 host[b, TABLE:TABLE + len(blocks)] = blocks
                 host[b, TABLE + len(blocks):] = 0
-            self._row_seqs, self._dirty = list(seq_ids), False
+            self._row_seqs, self._row_blocks, self._dirty = list(seq_ids), [], False
         for b in range(B):
             p = lengths_before[b]
             block = slots[b] // bs
@@ -118,16 +130,74 @@ class DecodeStep:
             host[b, POSITION] = p
             host[b, SLOT] = slots[b] + 1
             host[b, LENGTH] = p + 1
-        self._tokens[:B].copy_(input_ids.view(B, 1))   # rows past B keep earlier ids: padding, dropped
+        return self._launch(input_ids, B).unsqueeze(1)
+
+    def from_tables(self, input_ids: torch.Tensor, requests: list, tables: list) -> torch.Tensor:
+        """An engine's pure decode step over blocks it owns: requests [(seq_id, cached, 1), ...]
+        in the order of input_ids' B tokens, tables each one's block ids (covering cached + 1
+        tokens; only ever extended while the sequence runs: ``forget`` a finished sequence,
+        ``invalidate`` after anything else). Packs the rows, replays: the logits [B, V]. The
+        caller checked the step fits (B at most max_rows, every sequence's cached + 1 tokens
+        within width blocks)."""
+        bs, host, W = self.cache.block_size, self._host, self.width
+        seqs = [s for s, _, _ in requests]
+        if self._dirty or self._row_seqs != seqs:
+            self._arrange(seqs)
+        written = self._row_blocks
+        slots = []
+        for b, ((_, c, _), table) in enumerate(zip(requests, tables)):
+            k = len(table)
+            if k != written[b] and written[b] < W:     # a new row, or the engine gave it more blocks
+                k, w = min(k, W), max(written[b], 0)   # blocks allocated ahead, past the positions: unread
+                host[b, TABLE + w:TABLE + k] = table[w:k]
+                if written[b] < 0:
+                    host[b, TABLE + k:] = 0
+                written[b] = k
+            slots.append(table[c // bs] * bs + c % bs + 1)
+        # a column at once: one conversion each, not three scalar writes a row
+        host[:len(seqs), POSITION] = [c for _, c, _ in requests]
+        host[:len(seqs), SLOT] = slots
+        np.add(host[:len(seqs), POSITION], 1, out=host[:len(seqs), LENGTH])
+        return self._launch(input_ids, len(seqs))
+
+    def _arrange(self, seqs: list) -> None:
+        """Rows in the order of seqs: a sequence packed at another row moves there (one gather of
+        the rows, not its table again); a new one is marked to be written (-1 blocks)."""
+        rows = {} if self._dirty else {s: b for b, s in enumerate(self._row_seqs) if s is not None}
+        src, dst, written = [], [], []
+        for b, s in enumerate(seqs):
+            j = rows.get(s)
+            if j is None:
+                written.append(-1)
+            else:
+                if j != b:
+                    src.append(j)
+                    dst.append(b)
+                written.append(self._row_blocks[j])
+        if src:
+            self._host[dst] = self._host[src]          # the right side is gathered first
+        self._row_seqs, self._row_blocks, self._dirty = list(seqs), written, False
+
+    def forget(self, seq) -> None:
+        """An engine's sequence ended: its row is never reused under its id (ids may repeat)."""
+        rows = self._row_seqs
+        for b, s in enumerate(rows):
+            if s == seq:
+                rows[b] = None
+
+    def _launch(self, input_ids: torch.Tensor, B: int) -> torch.Tensor:
+        """The B packed rows to the device in one transfer, the tokens into their buffer, and
+        the bucket's replay: the logits [B, V]."""
+        self._tokens[:B].copy_(input_ids.reshape(B, 1))   # rows past B keep earlier ids: padding, dropped
         if not self._staging:
-            return self.graph.run_packed(self._host_t[:B], B).unsqueeze(1)
+            return self.graph.run_packed(self._host_t[:B], B)
         k = self._turn = (self._turn + 1) % RING
         self._copied[k].synchronize()                  # returns at once: that step ran long ago
         rows = self._staging[k][:B]
         rows.copy_(self._host_t[:B])
         out = self.graph.run_packed(rows, B)
         self._copied[k].record()
-        return out.unsqueeze(1)
+        return out
 
     def set_lengths(self, past_cache, layer_ids, B: int, length: int) -> None:
         """transformers' Cache: every MLA layer's keys and values a [B, 1, length, 1] view of one
