@@ -263,6 +263,29 @@ def test_pool_sized_by_latent_rows():
     assert blocks == (available - fixed) // latent // 64
     assert blocks * 64 > 60 * (available - fixed) // expanded
     assert mla.hf_engine.pool_blocks(cfg, available=fixed, **kw) == 0
+    # FP8 tile rows: 656 bytes a token and layer (the activations stay bf16)
+    tile = mla.hf_engine.pool_blocks(cfg, available=available, cache_format="fp8_tile", **kw)
+    assert tile == (available - fixed) // (61 * 656 + 8) // 64
+
+
+def test_engine_cache_keeps_the_patch_cache_format():
+    """The engine's latent pool stores the rows the patch's cache does: FP8 rows stay FP8 with
+    their scale, and the tokens equal the patched generate's on that format."""
+    model = make_model("deepseek_v3")
+    ps = prompts([5, 9], seed=3)
+    cfg = mla.hf.patch_config(model)
+    cache = mla.PagedLatentCache(cfg, num_layers=model.config.num_hidden_layers, num_blocks=16, block_size=BLOCK,
+                                 dtype=torch.float8_e4m3fn, kv_scale=0.5)
+    handle = mla.hf.patch(model, cache, dtype=torch.float32)
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist() for p in ps]
+    mla.hf_engine.enable(handle)
+    manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1),
+                                             ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
+    latent = manager.cache.latent
+    assert (latent.format, latent.kv_scale, latent.kv.dtype) == ("fp8", 0.5, torch.float8_e4m3fn)
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1),
+                               continuous_batching_config=ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
+    assert [o.generated_tokens for o in out.values()] == refs
 
 
 def test_request_id_used_again_on_other_blocks():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import quant
 from .cache import PagedLatentCache
 from .graph import DEFAULT_BUCKETS
 from .hf import _graph_problem, _Step
@@ -41,17 +42,23 @@ class RequestRefused(ValueError):
 
 
 def pool_blocks(cfg, *, num_layers: int, dtype: torch.dtype, vocab_size: int, block_size: int,
-                max_batch_tokens: int, max_workspace_tokens: int, available: int) -> int:
+                max_batch_tokens: int, max_workspace_tokens: int, available: int, cache_format: str = "plain",
+                index_format: str | None = None) -> int:
     """Blocks of latent rows that ``available`` bytes hold beside one step's activations.
 
-    A token costs its latent row in every MLA layer (``kv_lora_rank + qk_rope_head_dim`` values,
-    the indexer's key beside it for sparse families) and the engine's int64 read-index slot; a
-    step's token costs its hidden states, q, expanded k/v and attention output and its float32
-    logits; the expanded prefix rows of ``max_workspace_tokens`` are held at most once."""
+    dtype: the layers' (activations, and a plain cache's rows); cache_format and index_format:
+    the cache's (``PagedLatentCache.format``, ``.index_format``). A token costs its latent row in
+    every MLA layer (``quant.row_width`` of the format: 576 values for DeepSeek-V3, 656 bytes as
+    FP8 tile rows; the indexer's key beside it for sparse families) and the engine's int64
+    read-index slot; a step's token costs its hidden states, q, expanded k/v and attention output
+    and its float32 logits; the expanded prefix rows of ``max_workspace_tokens`` are held at most
+    once."""
     item = torch.empty((), dtype=dtype).element_size()
-    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
-    if cfg.has_indexer:
-        row += cfg.index_row_dim * (item if dtype != torch.float8_e4m3fn else 2)
+    row = quant.row_width(cache_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim) * (item if cache_format == "plain"
+                                                                                   else 1)
+    if cfg.has_indexer:   # FP8 index keys, or keys in the layers' dtype (bfloat16 beside FP8 rows)
+        row += quant.index_width(cfg.index_head_dim) if index_format else \
+            cfg.index_row_dim * (item if cache_format == "plain" else 2)
     per_token = num_layers * row + 8
     H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     per_step_token = item * (4 * cfg.hidden_size + H * (2 * dn + dr + 2 * dv)) + 4 * vocab_size + 64
@@ -83,8 +90,12 @@ class LatentCache(PagedAttentionCache):
         self.layer_index_to_group_indices = {i: (0, i) for i in layers}
         self.max_batch_tokens, self.num_blocks = self._size(handle, cb)
         self.num_pages = self.num_blocks * self.block_size
+        # the patch's cache's row format: FP8 rows, their scaling and the indexer's keys alike
+        own = handle.cache
         self.latent = PagedLatentCache(cfg, num_layers=len(handle.layers), num_blocks=self.num_blocks,
-                                       block_size=self.block_size, dtype=self.dtype, device=self.device)
+                                       block_size=self.block_size, dtype=self.dtype, device=self.device,
+                                       fp8_scaling="tile" if own.format == "fp8_tile" else "tensor",
+                                       kv_scale=own.kv_scale, index_format=own.index_format)
         # the engine's view of its storage (it only counts bytes with it: offloading is off): one
         # "head" of one latent row a token and layer, no values
         self.num_key_value_heads, self.head_dim = 1, self.latent.kv.shape[-1]
@@ -116,9 +127,10 @@ class LatentCache(PagedAttentionCache):
             return M, cb.num_blocks
         _, total, reserved, allocated = get_device_and_memory_breakdown()
         available = int((total - max(allocated, reserved)) * (cb.max_memory_percent or 0.9))
-        blocks = pool_blocks(handle.cfg, num_layers=len(handle.layers), dtype=handle.cache.dtype,
+        blocks = pool_blocks(handle.cfg, num_layers=len(handle.layers), dtype=handle.dtype,
                              vocab_size=self.config.vocab_size, block_size=self.block_size, max_batch_tokens=M,
-                             max_workspace_tokens=handle.layers[0].max_workspace_tokens, available=available)
+                             max_workspace_tokens=handle.layers[0].max_workspace_tokens, available=available,
+                             cache_format=handle.cache.format, index_format=handle.cache.index_format)
         if blocks < 1:
             raise ValueError(f"continuous_batching_config: {available} bytes available hold no block of "
                              f"{self.block_size} latent rows beside max_batch_tokens={M}; lower max_batch_tokens or "
