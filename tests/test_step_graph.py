@@ -222,6 +222,59 @@ def test_run_packed_and_append_tokens_equal_prepare_and_the_eager_step():
     assert caches[1].length("a") == caches[0].length("a")     # refused before any change
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_append_tokens_keeps_prepares_books(seed):
+    """``append_tokens`` (its in-place path for a token that stays in an unshared last block,
+    its full path otherwise) against ``prepare([(s, 1), ...])`` on a twin cache, under random
+    forks, truncations, releases and decode steps of random subsets in random order: the same
+    slots, lengths, blocks and free blocks after every operation; refusals change nothing."""
+    import random
+    rng = random.Random(seed)
+    cfg = mla.MLAConfig.preset("tiny")
+    twins = [mla.PagedLatentCache(cfg, num_layers=1, num_blocks=48, block_size=4) for _ in range(2)]
+    for c in twins:
+        c.prepare([("a", 3), ("b", 4), ("c", 9)])
+    names = iter(f"s{i}" for i in range(1000))
+    for _ in range(200):
+        seqs = twins[0].seq_ids
+        op = rng.random()
+        if op < 0.1 and seqs:
+            src, dst = rng.choice(seqs), next(names)
+            for c in twins:
+                c.fork(src, dst)
+        elif op < 0.15 and seqs:
+            s = rng.choice(seqs)
+            n = rng.randint(0, twins[0].length(s))
+            for c in twins:
+                c.truncate(s, n)
+        elif op < 0.2 and len(seqs) > 2:
+            s = rng.choice(seqs)
+            for c in twins:
+                c.release(s)
+        elif seqs:
+            step = rng.sample(seqs, rng.randint(1, len(seqs)))
+            try:
+                want = twins[0].prepare([(s, 1) for s in step]).slot_mapping.tolist()
+            except mla.CacheFullError:
+                with pytest.raises(mla.CacheFullError):
+                    twins[1].append_tokens(step)
+            else:
+                assert twins[1].append_tokens(step) == want
+        assert twins[1].seq_ids == twins[0].seq_ids and twins[1].num_free_blocks == twins[0].num_free_blocks
+        for s in twins[0].seq_ids:
+            assert twins[1].length(s) == twins[0].length(s) and twins[1].blocks(s) == twins[0].blocks(s)
+    assert twins[1].lengths(twins[0].seq_ids) == [twins[0].length(s) for s in twins[0].seq_ids]
+    s = twins[0].seq_ids[0]
+    before = twins[1].lengths([s])
+    for bad, message in (([s, s], "appears twice"), ([s, "zz"], "unknown sequence 'zz'"),
+                         ([s, ["x"]], "hashable")):
+        with pytest.raises(ValueError, match=message):
+            twins[1].append_tokens(bad)
+        assert twins[1].lengths([s]) == before
+    with pytest.raises(ValueError, match="seq_ids: unknown sequence 'zz'"):
+        twins[1].lengths(["zz"])
+
+
 # ---- refusals: ValueError naming the argument, the cache as it was ------------------------
 
 def _decoding(num_seqs=3, block_size=4, length=5):

@@ -150,6 +150,16 @@ class PagedLatentCache:
         self._require(seq_id, "seq_id")
         return self._lengths[seq_id]
 
+    def lengths(self, seq_ids: Iterable[Hashable]) -> list[int]:
+        """``length`` of each sequence, in one call (a decode step's host work)."""
+        seqs = list(seq_ids)
+        try:
+            return [self._lengths[s] for s in seqs]
+        except (KeyError, TypeError):
+            for s in seqs:
+                self._require(s, "seq_ids")
+            raise
+
     def local_tokens(self, num_tokens: int) -> int:
         """Of a sequence's first num_tokens tokens, how many this CP rank stores."""
         bs = self.block_size
@@ -199,6 +209,9 @@ class PagedLatentCache:
             seqs = list(seq_ids)
         except TypeError:
             raise ValueError(f"seq_ids: expected an iterable of sequence ids, got {type(seq_ids).__name__}") from None
+        slots = self._append_in_place(seqs)
+        if slots is not None:
+            return slots
         for s in seqs:
             self._require(s, "seq_ids")
         reqs = self._check_requests([(s, 1) for s in seqs])
@@ -208,6 +221,30 @@ class PagedLatentCache:
         for s in seqs:
             p = self._lengths[s] - 1
             slots.append(self._blocks[s][p // bs] * bs + p % bs)
+        return slots
+
+    def _append_in_place(self, seqs: list) -> list[int] | None:
+        """append_tokens' common step, 63 of every 64 decode steps at block size 64: each token
+        lands in its sequence's partly filled last block, which no other sequence shares, so
+        no block moves and nothing can fail. The slots, or None (changing nothing) where any
+        sequence needs more (a new block, a copy on write, a check that may raise)."""
+        lengths, blocks, refs, bs, limit = self._lengths, self._blocks, self._refs, self.block_size, \
+            self.cfg.max_position_embeddings
+        slots = []
+        try:
+            for s in seqs:
+                n = lengths[s]
+                block = blocks[s][n // bs]
+                if n % bs == 0 or n >= limit or refs[block] != 1:
+                    return None
+                slots.append(block * bs + n % bs)
+        except (KeyError, TypeError, IndexError):   # unknown or unhashable: the checks below say which
+            return None
+        if len(set(seqs)) != len(seqs):
+            return None
+        for s in seqs:
+            lengths[s] += 1
+            self._changed(s)
         return slots
 
     def _reserve(self, reqs: list[tuple[Hashable, int]]) -> None:

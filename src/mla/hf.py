@@ -385,7 +385,7 @@ class PatchHandle:
         if positions is not None and (not isinstance(positions, torch.Tensor) or positions.ndim != 2
                                       or positions.shape[1] != 1 or positions.shape[0] not in (1, B)):
             return None
-        lengths = [self.cache.length(s) for s in self._seq_ids]
+        lengths = self.cache.lengths(self._seq_ids)
         if max(lengths) >= self._decode.width * self.cache.block_size or (mask is None and min(lengths) != past):
             return None
         logits = self._decode(ids, self._seq_ids, lengths)

@@ -218,6 +218,18 @@ class LatentBatchingManager(ContinuousBatchingManager):
     def cache(self) -> "LatentCache":
         return self.batch_processor.cache
 
+    def start(self) -> None:
+        """Capture every decode bucket's graph not captured yet, on the calling thread, then
+        start the engine's loop (``generate_batch`` calls this too). A server captures at
+        start-up so that no capture stalls its loop; and a capture inside the loop failed on
+        the H200 (a CPU-to-GPU copy under capture, from the engine's thread)."""
+        if self.batch_processor is None:           # a manager stopped before, started again
+            self.batch_processor = self._create_batch_processor()
+        decode = self.cache.decode
+        if decode is not None and not self.is_running():
+            decode.graph.capture()
+        super().start()
+
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
         """ValueError if a request of prompt_tokens + new_tokens can never fit the cache."""
         self.cache.check_fits(prompt_tokens, new_tokens)
