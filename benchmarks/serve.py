@@ -12,9 +12,13 @@ with 64-512 new tokens (EOS off), served
   each request's own budget counts as output) at each size of ``--static-batches`` over the
   trace's first ``--static-requests`` requests, the best size reported.
 
-Before the timed runs the trace runs once with 4 new tokens a request (``warmup_s``): that
-first pass compiles the Triton kernels' variants for the trace's shapes and captures the
-decode graphs, which would otherwise land in the first timed run.
+Before the timed runs the trace runs once, untimed (``warmup_s``; ``--warmup short``: 4 new
+tokens a request): that pass compiles the Triton and Gluon kernel variants the trace's steps
+need. A mixed step's decode rows pick variants by their count (the split plan's lane block, a
+power of two from 16 to 256; the combine's tiles by split count), so only a pass with the
+trace's full budgets, whose mixed steps carry as many decoding requests as the timed run's,
+covers them: after the short pass, 12 compiles (40 s) still fell in the timed run. Each run
+reports the compiles that fell in it.
 
 Reported per run: output tokens/s, TTFT and TPOT (time per output token after the first)
 p50/p99, peak GPU memory, the most sequences in one step, how many steps ran the whole model as
@@ -77,11 +81,16 @@ def percentile(xs, q):
 
 
 class Probe:
-    """Times the engine's loop parts on one manager's processor, and counts its steps."""
+    """Times the engine's loop parts on one manager's processor, counts its steps, the tokens
+    and time of its eager (prefill and mixed) forwards and the Triton compiles that fall in the
+    run; with ``profile_step`` k, runs the k-th eager forward under torch.profiler."""
 
-    def __init__(self, manager, handle):
+    def __init__(self, manager, handle, profile_step: int | None = None):
         self.t = dict(engine_host=0.0, forward_host=0.0, decode_forward_host=0.0, gpu_wait=0.0)
         self.steps = self.graphed = self.max_seqs = 0
+        self.eager_tokens, self.eager_ms = [], []
+        self.compiles, self.compile_s = 0, 0.0
+        self.profile_step, self.profile = profile_step, None
         proc = manager.batch_processor
         self._wrap(proc, "prepare_next_batch", "engine_host")
         self._wrap(proc, "update_batch", "engine_host")
@@ -94,36 +103,84 @@ class Probe:
             self.steps += 1
             self.graphed += step.run is not None
             self.max_seqs = max(self.max_seqs, len(step.requests))
+            if step.run is None:
+                self.eager_tokens.append(sum(n for _, _, n in step.requests))
             return step
         handle.engine_step = counting
-        self._restore = lambda: setattr(handle, "engine_step", plan)
+        restore = [lambda: setattr(handle, "engine_step", plan)]
+        try:   # Triton's compiles (and loads from its disk cache) of kernel variants not seen yet
+            from triton.runtime.jit import JITFunction
+            compile_fn = JITFunction._do_compile
+
+            def compiling(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return compile_fn(*a, **k)
+                finally:
+                    self.compiles += 1
+                    self.compile_s += time.perf_counter() - t0
+            JITFunction._do_compile = compiling
+            restore.append(lambda: setattr(JITFunction, "_do_compile", compile_fn))
+        except (ImportError, AttributeError):
+            pass
+        self._restore = lambda: [r() for r in restore]
 
     def _wrap(self, obj, name, key):
         fn = getattr(obj, name)
 
         def timed(*a, **k):
-            graphed, t0 = self.graphed, time.perf_counter()
+            graphed, eager, t0 = self.graphed, len(self.eager_tokens), time.perf_counter()
+            profiling = key == "forward_host" and self.profile_step == len(self.eager_ms) and self.profile is None
+            if profiling:
+                from torch.profiler import ProfilerActivity, profile
+                cuda = torch.cuda.is_available()
+                self.profile = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+                if cuda:
+                    torch.cuda.synchronize()
+                self.profile.__enter__()
             try:
                 return fn(*a, **k)
             finally:
+                if profiling:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    self.profile.__exit__(None, None, None)
+                    if len(self.eager_tokens) == eager:     # a graphed decode step: the next one
+                        self.profile = None
                 dt = time.perf_counter() - t0
                 # a whole-step decode forward: its host time apart (no sync inside, so host only)
                 self.t["decode_forward_host" if key == "forward_host" and self.graphed > graphed else key] += dt
+                if key == "forward_host" and len(self.eager_tokens) > eager:
+                    self.eager_ms.append(1e3 * dt)
         setattr(obj, name, timed)
+
+    def eager_summary(self) -> dict:
+        ms, toks = sorted(self.eager_ms), sum(self.eager_tokens)
+        return dict(steps=len(ms), tokens=toks, ms_p50=percentile(ms, 50), ms_max=ms[-1] if ms else None,
+                    us_per_token=1e3 * sum(ms) / max(toks, 1), triton_compiles=self.compiles,
+                    triton_compile_s=round(self.compile_s, 2))
+
+    def profile_tables(self) -> str | None:
+        """The profiled eager forward: its tokens, and the top kernels and host ops."""
+        if self.profile is None:
+            return None
+        k = self.profile_step
+        avg = self.profile.key_averages()
+        return (f"eager step {k}: {self.eager_tokens[k]} tokens, {self.eager_ms[k]:.1f} ms\n"
+                + avg.table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=15, max_name_column_width=60)
+                + avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
     def close(self):
         self._restore()
 
 
-def run_engine(model, handle, reqs, arrivals, cb_kw, device):
+def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
     """Serve reqs [(prompt, new_tokens)] with request i added at arrivals[i] seconds."""
     gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**cb_kw))
-    probe = Probe(manager, handle)
+    probe = Probe(manager, handle, profile_step)
     pool_tokens = manager.cache.num_pages
     if device == "cuda":
-        if manager.cache.decode is not None:
-            manager.cache.decode.graph.capture()     # every bucket now, not in the timed loop
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     manager.start()
@@ -168,7 +225,7 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device):
                 peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else None,
                 most_in_flight=probe.max_seqs, steps=probe.steps, graphed_steps=probe.graphed,
                 decode_step_host_ms=1e3 * probe.t["decode_forward_host"] / max(probe.graphed, 1),
-                pool_tokens=pool_tokens,
+                pool_tokens=pool_tokens, eager=probe.eager_summary(), profile=probe.profile_tables(),
                 time_split={k: round(v, 3) for k, v in probe.t.items()})
 
 
@@ -213,13 +270,17 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--poisson", type=float, default=0.7, help="arrival rate, times the all-at-once request rate")
+    ap.add_argument("--poisson", type=float, default=0.7, help="arrival rate, times the all-at-once request rate (0: no Poisson run)")
     ap.add_argument("--static-batches", default="32,64")
     ap.add_argument("--static-requests", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--memory", type=float, default=0.4, help="max_memory_percent of the engine's pool")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                     help="the engine's whole-step decode graphs (mla.hf_engine.enable's graphs: None, True, False)")
+    ap.add_argument("--warmup", choices=("full", "short"), default="full",
+                    help="the untimed pass before the timed runs: the whole trace, or 4 new tokens a request")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="run the all-at-once run's k-th eager (prefill or mixed) forward under torch.profiler")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -247,25 +308,25 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print("check", report["check"], flush=True)
     save(report, args.out)
-    # the first pass over the trace's shapes compiles Triton kernel variants (varlen prefill,
-    # decode of a chunk's tail over its prefix: specialised on their int arguments) and
-    # captures the decode graphs: run the trace once with 4 new tokens a request, untimed
+    # the untimed pass that compiles the kernel variants of the trace's steps (module docstring)
     t0 = time.perf_counter()
-    run_engine(model, handle, [(p, 4) for p, _ in reqs], [0.0] * len(reqs), cb_kw, device)
+    warm = reqs if args.warmup == "full" else [(p, 4) for p, _ in reqs]
+    run_engine(model, handle, warm, [0.0] * len(reqs), cb_kw, device)
     report["warmup_s"] = time.perf_counter() - t0
     print("warmup", report["warmup_s"], flush=True)
-    report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device)
+    report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device, args.profile_step)
     print("all_at_once", report["all_at_once"], flush=True)
     save(report, args.out)
-    rate = args.poisson * len(reqs) / report["all_at_once"]["seconds"]
-    rng = random.Random(args.seed + 1)
-    arrivals, t = [], 0.0
-    for _ in reqs:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    report["poisson"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, cb_kw, device))
-    print("poisson", report["poisson"], flush=True)
-    save(report, args.out)
+    if args.poisson > 0:
+        rate = args.poisson * len(reqs) / report["all_at_once"]["seconds"]
+        rng = random.Random(args.seed + 1)
+        arrivals, t = [], 0.0
+        for _ in reqs:
+            arrivals.append(t)
+            t += rng.expovariate(rate)
+        report["poisson"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, cb_kw, device))
+        print("poisson", report["poisson"], flush=True)
+        save(report, args.out)
     static = []
     for b in map(int, args.static_batches.split(",")):
         try:

@@ -906,3 +906,28 @@ def test_sparse_step_row_on_cpu_with_stand_in_timers(monkeypatch):
     assert (row["dense_us"], row["sparse_us"], row["speedup"]) == (300.0, 100.0, 3.0)
     assert row["check"] == "ok" and row["rel_err"] == 0.0 and (row["H"], row["B"], row["L"]) == (1, 2, 70)
     assert lines == ["      sparse step's kernels (us, eager): gemm 20.0, _logits_kernel 9.0"]
+
+
+# ------------------------------------------------------------------ benchmarks/serve.py
+
+def test_serve_benchmark_tiny_run_reports_each_run(tmp_path):
+    """The serving benchmark's CPU smoke run: every request served, the steps split into eager
+    and whole-step ones, the eager forwards' tokens (every prompt token, and the decode tokens
+    that rode along in mixed steps), and the
+    profiled eager forward's tables."""
+    out = tmp_path / "serve.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--requests", "12", "--poisson", "0",
+                           "--profile-step", "1", "--static-batches", "4", "--graphs", "on", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    report = json.loads(out.read_text())
+    run = report["all_at_once"]
+    assert run["output_tokens"] == report["trace"]["output_tokens"]
+    trace = report["trace"]    # every prompt token, and the decode tokens of mixed steps
+    assert trace["prompt_tokens"] <= run["eager"]["tokens"] < trace["prompt_tokens"] + trace["output_tokens"]
+    assert run["eager"]["steps"] + run["graphed_steps"] == run["steps"] and run["graphed_steps"] > 0
+    assert run["profile"].startswith("eager step 1:") and "aten::" in run["profile"]
+    assert "poisson" not in report and report["static"][0]["batch"] == 4
