@@ -12,13 +12,12 @@ with 64-512 new tokens (EOS off), served
   each request's own budget counts as output) at each size of ``--static-batches`` over the
   trace's first ``--static-requests`` requests, the best size reported.
 
-Before the timed runs the trace runs once, untimed (``warmup_s``; ``--warmup short``: 4 new
-tokens a request): that pass compiles the Triton and Gluon kernel variants the trace's steps
-need. A mixed step's decode rows pick variants by their count (the split plan's lane block, a
-power of two from 16 to 256; the combine's tiles by split count), so only a pass with the
-trace's full budgets, whose mixed steps carry as many decoding requests as the timed run's,
-covers them: after the short pass, 12 compiles (40 s) still fell in the timed run. Each run
-reports the compiles that fell in it.
+Each run starts its manager as a server does: ``start`` warms up first (the decode graphs
+captured, the eager steps' kernel variants compiled: ``LatentCache.warm_up``), untimed and
+reported as ``warmup`` with the compiles in it; the compiles that still fall in the timed run
+are reported with its eager steps (``eager.compiled``: kernel and integer constexprs).
+``--warmup full|short`` adds an untimed pass of the trace (or of 4 new tokens a request) before
+the timed runs.
 
 Reported per run: output tokens/s, TTFT and TPOT (time per output token after the first)
 p50/p99, peak GPU memory, the most sequences in one step, how many steps ran the whole model as
@@ -89,7 +88,7 @@ class Probe:
         self.t = dict(engine_host=0.0, forward_host=0.0, decode_forward_host=0.0, gpu_wait=0.0)
         self.steps = self.graphed = self.max_seqs = 0
         self.eager_tokens, self.eager_ms = [], []
-        self.compiles, self.compile_s = 0, 0.0
+        self.compiles, self.compile_s, self.compiled = 0, 0.0, []
         self.profile_step, self.profile = profile_step, None
         proc = manager.batch_processor
         self._wrap(proc, "prepare_next_batch", "engine_host")
@@ -112,13 +111,15 @@ class Probe:
             from triton.runtime.jit import JITFunction
             compile_fn = JITFunction._do_compile
 
-            def compiling(*a, **k):
+            def compiling(fn, *a, **k):
                 t0 = time.perf_counter()
                 try:
-                    return compile_fn(*a, **k)
+                    return compile_fn(fn, *a, **k)
                 finally:
+                    dt = time.perf_counter() - t0
                     self.compiles += 1
-                    self.compile_s += time.perf_counter() - t0
+                    self.compile_s += dt
+                    self.compiled.append((variant(fn, *a), round(dt, 2)))
             JITFunction._do_compile = compiling
             restore.append(lambda: setattr(JITFunction, "_do_compile", compile_fn))
         except (ImportError, AttributeError):
@@ -158,7 +159,7 @@ class Probe:
         ms, toks = sorted(self.eager_ms), sum(self.eager_tokens)
         return dict(steps=len(ms), tokens=toks, ms_p50=percentile(ms, 50), ms_max=ms[-1] if ms else None,
                     us_per_token=1e3 * sum(ms) / max(toks, 1), triton_compiles=self.compiles,
-                    triton_compile_s=round(self.compile_s, 2))
+                    triton_compile_s=round(self.compile_s, 2), compiled=self.compiled)
 
     def profile_tables(self) -> str | None:
         """The profiled eager forward: its tokens, and the top kernels and host ops."""
@@ -174,6 +175,14 @@ class Probe:
         self._restore()
 
 
+def variant(fn, key=None, signature=None, device=None, constexprs=None, *rest) -> str:
+    """A compiled kernel's name and its integer constexprs (what tells its variants apart)."""
+    names = getattr(fn, "arg_names", [])
+    ints = {names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else str(k): v
+            for k, v in (constexprs or {}).items() if isinstance(v, int) and not isinstance(v, bool)}
+    return getattr(fn, "__name__", "?") + "(" + ",".join(f"{k}={v}" for k, v in ints.items()) + ")"
+
+
 def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
     """Serve reqs [(prompt, new_tokens)] with request i added at arrivals[i] seconds."""
     gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False, eos_token_id=-1)
@@ -183,7 +192,10 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    manager.start()
+    manager.start()     # warms up first: graphs captured, the eager steps' kernels compiled
+    warm = dict(seconds=round(manager.warmup_s, 2), triton_compiles=probe.compiles,
+                triton_compile_s=round(probe.compile_s, 2))
+    probe.compiles, probe.compile_s, probe.compiled = 0, 0.0, []
     outs = {}
 
     def collect():     # non-streaming requests: the queue holds each one's finished output
@@ -225,7 +237,7 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
                 peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else None,
                 most_in_flight=probe.max_seqs, steps=probe.steps, graphed_steps=probe.graphed,
                 decode_step_host_ms=1e3 * probe.t["decode_forward_host"] / max(probe.graphed, 1),
-                pool_tokens=pool_tokens, eager=probe.eager_summary(), profile=probe.profile_tables(),
+                pool_tokens=pool_tokens, warmup=warm, eager=probe.eager_summary(), profile=probe.profile_tables(),
                 time_split={k: round(v, 3) for k, v in probe.t.items()})
 
 
@@ -277,8 +289,9 @@ def main(argv=None):
     ap.add_argument("--memory", type=float, default=0.4, help="max_memory_percent of the engine's pool")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                     help="the engine's whole-step decode graphs (mla.hf_engine.enable's graphs: None, True, False)")
-    ap.add_argument("--warmup", choices=("full", "short"), default="full",
-                    help="the untimed pass before the timed runs: the whole trace, or 4 new tokens a request")
+    ap.add_argument("--warmup", choices=("none", "full", "short"), default="none",
+                    help="an untimed pass of the trace before the timed runs: none, the whole trace, or 4 new "
+                         "tokens a request (the manager's own warm-up runs at each start in any case)")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="run the all-at-once run's k-th eager (prefill or mixed) forward under torch.profiler")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
@@ -308,12 +321,12 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print("check", report["check"], flush=True)
     save(report, args.out)
-    # the untimed pass that compiles the kernel variants of the trace's steps (module docstring)
-    t0 = time.perf_counter()
-    warm = reqs if args.warmup == "full" else [(p, 4) for p, _ in reqs]
-    run_engine(model, handle, warm, [0.0] * len(reqs), cb_kw, device)
-    report["warmup_s"] = time.perf_counter() - t0
-    print("warmup", report["warmup_s"], flush=True)
+    if args.warmup != "none":
+        t0 = time.perf_counter()
+        warm = reqs if args.warmup == "full" else [(p, 4) for p, _ in reqs]
+        report["warmup"] = run_engine(model, handle, warm, [0.0] * len(reqs), cb_kw, device)["eager"]
+        report["warmup_s"] = time.perf_counter() - t0
+        print("warmup", report["warmup_s"], flush=True)
     report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device, args.profile_step)
     print("all_at_once", report["all_at_once"], flush=True)
     save(report, args.out)

@@ -329,3 +329,47 @@ def test_decode_steps_graphed_on_gpu():
     assert [o.generated_tokens for o in out.values()] == refs
     decode = [k == {"decode"} for k in steps.kinds()]
     assert sum(decode) >= 4 and steps.graphed == decode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_compiles_what_the_eager_steps_run():
+    """After the manager's warm-up (graphs captured, LatentCache.warm_up's eager steps of 1..256
+    decode rows beside a prompt and a chunk) no Triton or Gluon kernel compiles while serving a
+    mixed trace: prompts of 2-40 tokens chunked under max_batch_tokens 24, 6-14 new tokens each,
+    so that the steps mix prefills, chunks and 1-16 decode rows."""
+    from triton.runtime.jit import JITFunction
+    model = make_model("deepseek_v3").cuda()
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    steps = Steps(handle)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, 41, (16,), generator=g).tolist()
+    budgets = torch.randint(6, 15, (16,), generator=g).tolist()
+    gen = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=256,
+                                                                           max_batch_tokens=24))
+    manager.warmup()
+    assert manager.warmup_s > 0
+    compiled, compile_fn = [], JITFunction._do_compile
+
+    def counting(fn, *a, **k):
+        compiled.append(fn.__name__)
+        return compile_fn(fn, *a, **k)
+    JITFunction._do_compile = counting
+    try:
+        manager.start()
+        for i, (p, n) in enumerate(zip(prompts(lengths, 4), budgets)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        done = {}
+        while len(done) < len(lengths):
+            out = manager.get_result(timeout=30)
+            assert out is not None, "the engine stopped answering"
+            if out.is_finished():
+                done[out.request_id] = out.generated_tokens
+    finally:
+        JITFunction._do_compile = compile_fn
+        manager.stop(block=True, timeout=30)
+    assert [len(done[f"r{i}"]) for i in range(len(lengths))] == budgets
+    kinds = steps.kinds()
+    assert any(len(k) > 1 and "decode" in k for k in kinds), kinds        # mixed steps ran eagerly
+    assert compiled == []

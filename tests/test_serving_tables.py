@@ -25,9 +25,11 @@ def layer_and_cache(num_blocks=32):
     return cfg, layer, cache
 
 
-def test_engine_tables_match_the_oracle():
+@pytest.mark.parametrize("width", [None, 11])
+def test_engine_tables_match_the_oracle(width):
     """Two sequences on shuffled engine blocks: 9 and 6 prompt tokens, then 5 more of the first
-    over its cached prefix beside a decode of the second, then two decodes of both."""
+    over its cached prefix beside a decode of the second, then two decodes of both; the tables
+    as wide as each step needs, or every step's 11 blocks wide (an engine's fixed width)."""
     cfg, layer, cache = layer_and_cache()
     g = torch.Generator().manual_seed(1)
     total = {"a": 17, "b": 9}
@@ -38,7 +40,9 @@ def test_engine_tables_match_the_oracle():
     steps = [[("a", 0, 9), ("b", 0, 6)], [("a", 9, 5), ("b", 6, 1)], [("a", 14, 1), ("b", 7, 1)],
              [("a", 15, 2), ("b", 8, 1)]]
     for step in steps:
-        batch = cache.batch_from_tables(step, [tables[s] for s, _, _ in step])
+        batch = cache.batch_from_tables(step, [tables[s] for s, _, _ in step], width=width)
+        if width is not None:
+            assert batch.block_table.shape == (len(step), width) and batch.block_table[:, 5:].eq(0).all()
         y = layer(torch.cat([x[s][c:c + n] for s, c, n in step]), batch)
         for (s, _, n), part in zip(step, y.split([n for _, _, n in step])):
             out[s].append(part)
@@ -72,14 +76,19 @@ def test_slot_mapping_given_is_checked_on_cpu():
     ([("a", 60, 10)], [list(range(18))], "max_position_embeddings"),
     ([("a", 0, 3)], [[1], [2]], "one table for each"),
     ([("a", 0)], [[1]], "triples"),
+    ([("a", 0, 5)], [[1, 2]], "width: expected an int >= 2"),
 ])
 def test_refusals(requests, tables, match):
     cfg, layer, cache = layer_and_cache()
     if "max_position" in match:
         cache = mla.PagedLatentCache(dataclasses.replace(cfg, max_position_embeddings=64), num_blocks=32,
                                      block_size=BS, dtype=torch.float32)
+    kw = dict(width=1) if "width" in match else {}
     with pytest.raises(ValueError, match=match):
-        cache.batch_from_tables(requests, tables)
+        cache.batch_from_tables(requests, tables, **kw)
+    for w in (2.0, True, "2"):
+        with pytest.raises(ValueError, match="width: expected an int"):
+            cache.batch_from_tables([("a", 0, 5)], [[1, 2]], width=w)
 
 
 def test_one_owner_a_cache():

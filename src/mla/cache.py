@@ -275,7 +275,8 @@ class PagedLatentCache:
             self._lengths[seq] = old + n
             self._changed(seq)
 
-    def batch_from_tables(self, requests: Iterable[tuple[Hashable, int, int]], block_tables, slot_mapping=None) -> Batch:
+    def batch_from_tables(self, requests: Iterable[tuple[Hashable, int, int]], block_tables, slot_mapping=None, *,
+                          width: int | None = None) -> Batch:
         """A Batch over blocks that an engine owns: its KV-cache manager allocates the blocks,
         shares prefixes and forks, and the layers read the block tables and slot mapping it
         computed (TensorRT-LLM's, vLLM's and SGLang's split). ``prepare`` is the other owner, mla's
@@ -288,10 +289,14 @@ class PagedLatentCache:
             (block * block_size + offset) of every new token, e.g. the engine's write index; None
             derives it from the tables. Its values are checked on CPU only (on CUDA a check would
             sync the stream every step).
+        width: the batch's block-table columns; None: the step's longest table. The decode
+            kernels choose their split count and compiled variant from the table's width, so an
+            engine that gives every step one width (its decode graph's) meets a fixed set of
+            variants, which it can compile before serving (``mla.hf_engine``).
         Raises ValueError before anything is written: a malformed request, a sequence twice, a
         length past max_position_embeddings, a table too short or with a block out of range, a
-        slot_mapping of the wrong shape, dtype, device or (CPU) value, Helix CP (not implemented
-        here), or a cache that prepare already serves."""
+        width narrower than a table needs, a slot_mapping of the wrong shape, dtype, device or
+        (CPU) value, Helix CP (not implemented here), or a cache that prepare already serves."""
         if self.cp_size > 1:
             raise ValueError(f"requests: engine-owned blocks under Helix CP (cp_size {self.cp_size}) are not "
                              "implemented; expected a cache with cp_size 1")
@@ -318,15 +323,20 @@ class PagedLatentCache:
             if len(table) < need[-1]:
                 raise ValueError(f"block_tables: sequence {seq!r} of {c + n} tokens needs {need[-1]} "
                                  f"blocks of {bs}, its table has {len(table)}")
+        longest = max(need + [1])
+        if width is None:
+            width = longest
+        elif not isinstance(width, int) or isinstance(width, bool) or width < longest:
+            raise ValueError(f"width: expected an int >= {longest} (the step's longest table, in blocks), got {width!r}")
         # the blocks the step reads, as one host tensor checked at once (a step of 256 sequences
-        # holds ~10k block ids: a Python check of each costs milliseconds a step)
-        width = max(need + [1])
-        flat = []
-        for t, k in zip(tables, need):
-            flat += t[:k]
-            flat += [0] * (width - k)
-        try:   # array's int64 conversion refuses what is not an int, ~5x faster than torch.tensor of a list
-            table = torch.frombuffer(array.array("q", flat or [0]), dtype=torch.int64).clone()
+        # holds ~10k block ids: a Python check of each costs milliseconds a step); array's int64
+        # conversion refuses what is not an int, ~5x faster than torch.tensor of a list
+        flat, pad = array.array("q"), array.array("q", bytes(8 * width))
+        try:
+            for t, k in zip(tables, need):
+                flat.extend(t[:k])
+                flat.extend(pad[:width - k])
+            table = torch.frombuffer(flat if flat else array.array("q", [0]), dtype=torch.int64).clone()
         except (TypeError, ValueError, OverflowError):
             table = None
         if table is None or not bool(((table >= 0) & (table < self.num_blocks)).all()):

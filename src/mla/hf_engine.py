@@ -173,6 +173,7 @@ class LatentBatchingManager(ContinuousBatchingManager):
         super().__init__(engine.model, generation_config, continuous_batching_config, workload_hints)
         self._original_attn_impl = restore          # stop() puts it back
         self.batch_processor = self._create_batch_processor()
+        self.warmup_s = 0.0                         # the last warm-up's seconds
 
     @staticmethod
     def _latent_attention(model) -> str | None:
@@ -196,6 +197,7 @@ class LatentBatchingManager(ContinuousBatchingManager):
             return processor
         cb = self.continuous_batching_config
         cache = LatentCache(self.engine, self.model.config.get_text_config(), cb, self.model.device)
+        self.warmed_up = False                 # a new cache: its graphs are not captured yet
         self._use_prefix_sharing = cache.use_prefix_sharing
         update_cb_config_after_cache_creation(cb_config=cb, num_blocks=cache.num_blocks,
                                               max_batch_tokens=cache.max_batch_tokens,
@@ -218,16 +220,24 @@ class LatentBatchingManager(ContinuousBatchingManager):
     def cache(self) -> "LatentCache":
         return self.batch_processor.cache
 
+    def warmup(self) -> None:
+        """transformers' warm-up before serving (``generate_batch`` calls it; ``start`` does
+        where it was not called): capture every decode bucket's graph and compile the kernel
+        variants of the eager steps, on the calling thread (``LatentCache.warm_up``), so that
+        neither stalls the engine's loop (a first-time compile takes seconds a variant; a
+        capture inside the loop failed on the H200: a CPU-to-GPU copy under capture, from the
+        engine's thread)."""
+        if self.batch_processor is None:
+            self.batch_processor = self._create_batch_processor()
+        self.warmup_s = self.cache.warm_up()
+        self.warmed_up = True
+
     def start(self) -> None:
-        """Capture every decode bucket's graph not captured yet, on the calling thread, then
-        start the engine's loop (``generate_batch`` calls this too). A server captures at
-        start-up so that no capture stalls its loop; and a capture inside the loop failed on
-        the H200 (a CPU-to-GPU copy under capture, from the engine's thread)."""
+        """Warm up where ``warmup`` was not called, then start the engine's loop."""
         if self.batch_processor is None:           # a manager stopped before, started again
             self.batch_processor = self._create_batch_processor()
-        decode = self.cache.decode
-        if decode is not None and not self.is_running():
-            decode.graph.capture()
+        if not self.warmed_up and not self.is_running():
+            self.warmup()
         super().start()
 
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:

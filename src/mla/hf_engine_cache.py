@@ -12,6 +12,7 @@ engine never evicts one (``allocate_blocks``).
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["LatentCache", "RequestRefused", "pool_blocks", "DEFAULT_MAX_BATCH_TOKENS"]
 
 DEFAULT_MAX_BATCH_TOKENS = 8192     # the engine's own default
+WARM_ROWS = 256                     # decode rows of the widest step LatentCache.warm_up compiles for
 
 
 class RequestRefused(ValueError):
@@ -115,6 +117,11 @@ class LatentCache(PagedAttentionCache):
         self.scheduler = None                  # set by the manager: admission reads the requests' budgets
         self._reserved: dict[str, int] = {}    # admitted request -> blocks it may still allocate
         self._step: list[tuple[str, int, int]] = []   # (request, cached, new) of the step being prepared
+        # the widest table a request can have (the pool, or the model's positions): on a GPU every
+        # step's block table has this width, so that the decode kernels of the eager steps come
+        # in one variant a decode-row count, compiled by ``warm_up`` before serving
+        self.table_width = min(self.num_blocks, -(-handle.cfg.max_position_embeddings // self.block_size))
+        self._step_width = self.table_width if self.device.type == "cuda" else None
         self.decode = self._whole_step(engine, handle)   # pure decode steps; None: every step eager
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -149,9 +156,8 @@ class LatentCache(PagedAttentionCache):
         problem = _graph_problem(handle._family_cfg, self.latent)
         if problem:
             raise ValueError(f"graphs: {handle.model_type!r}: {problem} (enable with graphs=False)")
-        width = min(self.num_blocks, -(-handle.cfg.max_position_embeddings // self.block_size))
         buckets = tuple(b for b in DEFAULT_BUCKETS + (256,) if b <= max(self.max_batch_tokens, 1))
-        return DecodeStep(handle, width, cuda_graphs=True, cache=self.latent, buckets=buckets)
+        return DecodeStep(handle, self.table_width, cuda_graphs=True, cache=self.latent, buckets=buckets)
 
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
         """ValueError if a request of prompt_tokens + new_tokens can never be admitted."""
@@ -274,8 +280,40 @@ class LatentCache(PagedAttentionCache):
                 run = functools.partial(self._run_decode, kwargs["input_ids"], kwargs.get("logits_to_keep"), reqs,
                                         tables)
                 return _Step(None, None, requests=reqs, run=run)
-        batch = self.latent.batch_from_tables(reqs, tables, kwargs["write_index"][0][:T])
+        batch = self.latent.batch_from_tables(reqs, tables, kwargs["write_index"][0][:T], width=self._step_width)
         return _Step(batch, None, requests=reqs)
+
+    def warm_up(self, max_rows: int = WARM_ROWS) -> float:
+        """Capture every decode bucket's graph, then compile the eager steps' kernels before
+        serving: on a GPU a Triton or Gluon kernel compiles at the first call of each variant
+        (seconds each), and an eager step's decode rows pick a variant by their count (the split
+        plan's lane block, tiles, split count: ``table_width`` fixes the rest). So the MLA layers
+        run once per count of decode rows 1..max_rows, each step beside a prompt and a chunk of
+        prefill with a cached prefix, on zero inputs over the first blocks of the empty pool (their rows are
+        scratch: no request holds them; nothing is read back). One layer of each kind serves
+        (the kernels are the layers'; the rest of the model is torch's). Returns the seconds it
+        took; nothing to do (0.0) on CPU, or while any request holds blocks."""
+        if self.decode is not None:
+            self.decode.graph.capture()
+        if self.device.type != "cuda" or self.get_num_free_blocks() < self.num_blocks:
+            return 0.0
+        handle, bs = self.engine.handle, self.block_size
+        if self.num_blocks < 2 or handle.cfg.max_position_embeddings < 2 * bs + 3:
+            return 0.0
+        # the layers up to the first that reads another's index rows (it needs its source's run)
+        shared = handle.cfg.index_shared_layers
+        layers = handle.layers[:1 + (min(shared) if shared else 0)]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for b in range(1, max_rows + 1):
+                reqs = ([(("warm", i), bs, 1) for i in range(b)]
+                        + [(("warm", "chunk"), bs, bs + 3), (("warm", "prompt"), 0, bs + 5)])
+                batch = self.latent.batch_from_tables(reqs, [[0, 1, 0]] * len(reqs), width=self._step_width)
+                x = torch.zeros(batch.num_tokens, handle.cfg.hidden_size, dtype=self.dtype, device=self.device)
+                for layer in layers:
+                    layer(x, batch)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
         """The whole decode step: the model's output with the logits the engine samples from,
