@@ -286,33 +286,32 @@ class LatentCache(PagedAttentionCache):
     def warm_up(self, max_rows: int = WARM_ROWS) -> float:
         """Capture every decode bucket's graph, then compile the eager steps' kernels before
         serving: on a GPU a Triton or Gluon kernel compiles at the first call of each variant
-        (seconds each), and an eager step's decode rows pick a variant by their count (the split
-        plan's lane block, tiles, split count: ``table_width`` fixes the rest). So the MLA layers
-        run once per count of decode rows 1..max_rows, each step beside a prompt and a chunk of
-        prefill with a cached prefix, on zero inputs over the first blocks of the empty pool (their rows are
-        scratch: no request holds them; nothing is read back). One layer of each kind serves
-        (the kernels are the layers'; the rest of the model is torch's). Returns the seconds it
-        took; nothing to do (0.0) on CPU, or while any request holds blocks."""
+        (seconds each), and an eager step's decode rows pick a variant by their count (the
+        split plan's lane block, tiles, split count; ``table_width`` fixes the rest). So the MLA
+        layers run once per count of decode rows from 1 to max_rows (at most max_batch_tokens),
+        each step beside a prompt and a chunk with a cached prefix, on zero inputs over the
+        first blocks of the empty pool (scratch rows: no request holds them, nothing reads them
+        back). One layer of each kind serves: the kernels are the layers', the rest of the
+        model is torch's. Returns the seconds it took; on CPU, or while a request holds blocks,
+        it only captures (nothing compiles on CPU; a running engine has warmed up already)."""
+        t0 = time.perf_counter()
         if self.decode is not None:
             self.decode.graph.capture()
-        if self.device.type != "cuda" or self.get_num_free_blocks() < self.num_blocks:
-            return 0.0
         handle, bs = self.engine.handle, self.block_size
-        if self.num_blocks < 2 or handle.cfg.max_position_embeddings < 2 * bs + 3:
-            return 0.0
-        # the layers up to the first that reads another's index rows (it needs its source's run)
-        shared = handle.cfg.index_shared_layers
-        layers = handle.layers[:1 + (min(shared) if shared else 0)]
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for b in range(1, max_rows + 1):
-                reqs = ([(("warm", i), bs, 1) for i in range(b)]
-                        + [(("warm", "chunk"), bs, bs + 3), (("warm", "prompt"), 0, bs + 5)])
-                batch = self.latent.batch_from_tables(reqs, [[0, 1, 0]] * len(reqs), width=self._step_width)
-                x = torch.zeros(batch.num_tokens, handle.cfg.hidden_size, dtype=self.dtype, device=self.device)
-                for layer in layers:
-                    layer(x, batch)
-        torch.cuda.synchronize(self.device)
+        if (self.device.type == "cuda" and self.get_num_free_blocks() == self.num_blocks and self.num_blocks >= 2
+                and handle.cfg.max_position_embeddings >= 2 * bs + 3):
+            # the layers up to the first that reads another's index rows (it needs its source's run)
+            shared = handle.cfg.index_shared_layers
+            layers = handle.layers[:1 + (min(shared) if shared else 0)]
+            with torch.no_grad():
+                for b in range(1, min(max_rows, self.max_batch_tokens) + 1):
+                    reqs = ([(("warm", i), bs, 1) for i in range(b)]
+                            + [(("warm", "chunk"), bs, bs + 3), (("warm", "prompt"), 0, bs + 5)])
+                    batch = self.latent.batch_from_tables(reqs, [[0, 1, 0]] * len(reqs), width=self._step_width)
+                    x = torch.zeros(batch.num_tokens, handle.cfg.hidden_size, dtype=self.dtype, device=self.device)
+                    for layer in layers:
+                        layer(x, batch)
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
     def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
