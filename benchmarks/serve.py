@@ -10,7 +10,8 @@ with 64-512 new tokens (EOS off), served
   all-at-once run's request rate;
 - by static batches of ``generate`` (left-padded, each batch run to its longest budget; only
   each request's own budget counts as output) at each size of ``--static-batches`` over the
-  trace's first ``--static-requests`` requests, the best size reported.
+  trace's first ``--static-requests`` requests, each timed at its second run (the first
+  compiles its kernels and captures its graphs), the best size reported.
 
 Each run starts its manager as a server does: ``start`` warms up first (the decode graphs
 captured, the eager steps' kernel variants compiled: ``LatentCache.warm_up``), untimed and
@@ -342,7 +343,8 @@ def main(argv=None):
         save(report, args.out)
     static = []
     for b in map(int, args.static_batches.split(",")):
-        try:
+        try:     # twice: the first run compiles and captures what this batch size needs
+            run_static(model, reqs[:args.static_requests], b, device)
             static.append(run_static(model, reqs[:args.static_requests], b, device))
         except torch.OutOfMemoryError:
             static.append(dict(batch=b, error="out of memory"))

@@ -315,8 +315,10 @@ def test_request_id_used_again_on_other_blocks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_steps_graphed_on_gpu():
     """On a GPU (graphs on by default): the pure decode steps replay the whole model's CUDA graph
-    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's."""
-    model = make_model("deepseek_v3").cuda()
+    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's.
+    One dense layer: transformers' float32 grouped MoE cannot be captured on the H200
+    (test_uncapturable_model_decodes_eagerly)."""
+    model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
     ps = prompts([7, 20, 5, 11], 0)
     refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
             for p in ps]
@@ -338,7 +340,7 @@ def test_warmup_compiles_what_the_eager_steps_run():
     mixed trace: prompts of 2-40 tokens chunked under max_batch_tokens 24, 6-14 new tokens each,
     so that the steps mix prefills, chunks and 1-16 decode rows."""
     from triton.runtime.jit import JITFunction
-    model = make_model("deepseek_v3").cuda()
+    model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
     mla.hf_engine.enable(handle)
     steps = Steps(handle)
@@ -373,3 +375,30 @@ def test_warmup_compiles_what_the_eager_steps_run():
     kinds = steps.kinds()
     assert any(len(k) > 1 and "decode" in k for k in kinds), kinds        # mixed steps ran eagerly
     assert compiled == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uncapturable_model_decodes_eagerly():
+    """A model whose decode step cannot be captured (here a hook that reads its logits back on
+    the host, which no capture allows): with graphs on by default the warm-up warns and every
+    step runs eagerly, with the same tokens; with graphs=True it raises ValueError."""
+    model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
+    model.lm_head.register_forward_hook(lambda m, i, o: o.sum().item())
+    ps = prompts([7, 20, 5], 1)
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            for p in ps]
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    engine = mla.hf_engine.enable(handle)
+    steps = Steps(handle)
+    with pytest.warns(RuntimeWarning, match="cannot be captured"):
+        out = model.generate_batch(ps, gen, continuous_batching_config=config)
+    assert [o.generated_tokens for o in out.values()] == refs
+    assert not any(steps.graphed) and {"decode"} in steps.kinds()
+    engine.disable()
+    handle.unpatch()
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle, graphs=True)
+    with pytest.raises(ValueError, match="graphs: the model's decode step cannot be captured"):
+        model.generate_batch(ps, gen, continuous_batching_config=config)

@@ -229,7 +229,12 @@ class LatentBatchingManager(ContinuousBatchingManager):
         engine's thread)."""
         if self.batch_processor is None:
             self.batch_processor = self._create_batch_processor()
-        self.warmup_s = self.cache.warm_up()
+        try:
+            self.warmup_s = self.cache.warm_up()
+        except ValueError:       # graphs asked for and not capturable: the model as it was
+            if self._original_attn_impl is not None:
+                self.model.set_attn_implementation(self._original_attn_impl)
+            raise
         self.warmed_up = True
 
     def start(self) -> None:

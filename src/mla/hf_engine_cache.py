@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ from .cache import PagedLatentCache
 from .graph import DEFAULT_BUCKETS
 from .hf import _graph_problem, _Step
 from .hf_graph import DecodeStep
+from .strategy import absorb_max_new
 
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_manager import BlockManager, FullAttentionCacheAllocator
@@ -284,34 +286,61 @@ class LatentCache(PagedAttentionCache):
         return _Step(batch, None, requests=reqs)
 
     def warm_up(self, max_rows: int = WARM_ROWS) -> float:
-        """Capture every decode bucket's graph, then compile the eager steps' kernels before
-        serving: on a GPU a Triton or Gluon kernel compiles at the first call of each variant
-        (seconds each), and an eager step's decode rows pick a variant by their count (the
-        split plan's lane block, tiles, split count; ``table_width`` fixes the rest). So the MLA
-        layers run once per count of decode rows from 1 to max_rows (at most max_batch_tokens),
-        each step beside a prompt and a chunk with a cached prefix, on zero inputs over the
-        first blocks of the empty pool (scratch rows: no request holds them, nothing reads them
-        back). One layer of each kind serves: the kernels are the layers', the rest of the
-        model is torch's. Returns the seconds it took; on CPU, or while a request holds blocks,
-        it only captures (nothing compiles on CPU; a running engine has warmed up already)."""
+        """Capture every decode bucket's graph, then compile the eager steps' kernels, before
+        serving. On a GPU a Triton or Gluon kernel compiles at the first call of each variant
+        (seconds each), and a variant follows the step's shape: the count of decode rows (the
+        split plan's lane block, tiles, split count; ``table_width`` fixes the rest), the new
+        tokens of an absorbed chunk (its rows), the count of prompts and of chunks in a pass.
+        So the MLA layers run eager steps that sweep each: 1..max_rows decode rows (at most
+        max_batch_tokens) beside a prompt and a chunk; one chunk of every absorbed length;
+        1..64 prompts; 1..16 expanded chunks; on zero inputs over the first blocks of the empty
+        pool (scratch rows: no request holds them, nothing reads them back). One layer of each
+        kind serves: the kernels are the layers', the rest of the model is torch's.
+
+        A decode step the model cannot capture (a module that syncs or copies from pageable
+        host memory, as transformers' float32 grouped-MoE path on the H200) leaves decode steps
+        eager, with a warning where graphs were on by default; ValueError where they were asked
+        for. Returns the seconds it took; on CPU, or while a request holds blocks, it only
+        captures (nothing compiles on CPU; a running engine has warmed up already)."""
         t0 = time.perf_counter()
         if self.decode is not None:
-            self.decode.graph.capture()
+            try:
+                self.decode.graph.capture()
+            except RuntimeError as e:
+                self.decode = None
+                if self.engine.graphs:
+                    raise ValueError(f"graphs: the model's decode step cannot be captured as a CUDA graph ({e}); "
+                                     "enable with graphs=None or False") from e
+                warnings.warn(f"mla.hf_engine: the model's decode step cannot be captured as a CUDA graph ({e}); "
+                              "its decode steps run eagerly", RuntimeWarning, stacklevel=3)
         handle, bs = self.engine.handle, self.block_size
-        if (self.device.type == "cuda" and self.get_num_free_blocks() == self.num_blocks and self.num_blocks >= 2
-                and handle.cfg.max_position_embeddings >= 2 * bs + 3):
-            # the layers up to the first that reads another's index rows (it needs its source's run)
-            shared = handle.cfg.index_shared_layers
-            layers = handle.layers[:1 + (min(shared) if shared else 0)]
-            with torch.no_grad():
-                for b in range(1, min(max_rows, self.max_batch_tokens) + 1):
-                    reqs = ([(("warm", i), bs, 1) for i in range(b)]
-                            + [(("warm", "chunk"), bs, bs + 3), (("warm", "prompt"), 0, bs + 5)])
-                    batch = self.latent.batch_from_tables(reqs, [[0, 1, 0]] * len(reqs), width=self._step_width)
-                    x = torch.zeros(batch.num_tokens, handle.cfg.hidden_size, dtype=self.dtype, device=self.device)
-                    for layer in layers:
-                        layer(x, batch)
-            torch.cuda.synchronize(self.device)
+        cfg = handle.cfg
+        if (self.device.type != "cuda" or self.get_num_free_blocks() < self.num_blocks or self.num_blocks < 4
+                or cfg.max_position_embeddings < 4 * bs):
+            return time.perf_counter() - t0
+        # the layers up to the first that reads another's index rows (it needs its source's run)
+        shared = cfg.index_shared_layers
+        layers = handle.layers[:1 + (min(shared) if shared else 0)]
+        absorb = min(absorb_max_new(cfg), 3 * bs - 3)  # chunk lengths of the absorbed path (c > 0)
+
+        def step(rows):
+            reqs = [(("warm", i), c, n) for i, (c, n) in enumerate(rows)]
+            batch = self.latent.batch_from_tables(reqs, [[0, 1, 2, 3]] * len(reqs), width=self._step_width)
+            x = torch.zeros(batch.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            for layer in layers:
+                layer(x, batch)
+        decode, chunk, prompt = (bs, 1), (bs, bs + 3), (0, bs + 5)
+        with torch.no_grad():
+            for b in range(1, min(max_rows, self.max_batch_tokens) + 1):
+                step([decode] * b + [chunk, prompt])
+            for n in range(2, absorb + 1):
+                step([decode, (bs, n)])
+            for k in range(1, 65):
+                step([decode] + [(0, bs + k % 3)] * k)
+            if absorb < 3 * bs - 3:
+                for k in range(1, 17):
+                    step([decode] + [(bs, absorb + 1 + k % 3)] * k)
+        torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
     def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
