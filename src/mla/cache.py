@@ -331,18 +331,20 @@ class PagedLatentCache:
         # the blocks the step reads, as one host tensor checked at once (a step of 256 sequences
         # holds ~10k block ids: a Python check of each costs milliseconds a step); array's int64
         # conversion refuses what is not an int, ~5x faster than torch.tensor of a list
-        flat, pad = array.array("q"), array.array("q", bytes(8 * width))
+        flat, pad = array.array("q"), array.array("q", bytes(8 * longest))
         try:
             for t, k in zip(tables, need):
                 flat.extend(t[:k])
-                flat.extend(pad[:width - k])
+                flat.extend(pad[:longest - k])
             table = torch.frombuffer(flat if flat else array.array("q", [0]), dtype=torch.int64).clone()
         except (TypeError, ValueError, OverflowError):
             table = None
         if table is None or not bool(((table >= 0) & (table < self.num_blocks)).all()):
             raise ValueError(f"block_tables: expected int block ids in 0..{self.num_blocks - 1}, got "
                              f"{[t[:k] for t, k in zip(tables, need)]}"[:300])
-        table = table[:len(reqs) * width].view(len(reqs), width)
+        table = table[:len(reqs) * longest].view(len(reqs), longest).to(torch.int32)
+        if width > longest:    # one padding op on the checked table, not width - k zeros a row in Python
+            table = torch.nn.functional.pad(table, (0, width - longest))
         T = sum(n for _, _, n in reqs)
         if slot_mapping is not None and (
                 not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (T,)
