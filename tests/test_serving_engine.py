@@ -312,6 +312,41 @@ def test_request_id_used_again_on_other_blocks():
     assert sum(steps.graphed) >= 8
 
 
+def test_warm_up_sweep_then_serves_the_same_tokens():
+    """LatentCache.warm_up's eager sweep (it runs on a GPU; here directly, on CPU) runs the
+    layer over 1..16 decode rows, 15 absorbed chunk lengths, 1..64 prompts and 1..16 expanded
+    chunks on scratch rows of the empty pool (NaN-filled before it): afterwards the engine's
+    tokens equal transformers' own, so no request reads a scratch row."""
+    model = make_model("deepseek_v3", num_hidden_layers=1)
+    ps = prompts([7, 20, 5, 11, 30], 2)
+    refs = [reference(model, p, 6) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf_engine.enable(handle)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64,
+                                                                           max_batch_tokens=16))
+    calls = []
+    hook = handle.layers[0].register_forward_pre_hook(lambda m, a: calls.append(a[1].num_seqs))
+    manager.cache.latent.kv.fill_(float("nan"))
+    manager.cache._sweep(256)
+    hook.remove()
+    assert len(calls) == 16 + 15 + 64 + 16 and max(calls) == 65     # 64 prompts beside a decode row
+    assert manager.cache.get_num_free_blocks() == 64
+    manager.start()
+    try:
+        for i, p in enumerate(ps):
+            manager.add_request(p, request_id=f"r{i}")
+        done = {}
+        while len(done) < len(ps):
+            out = manager.get_result(timeout=30)
+            assert out is not None, "the engine stopped answering"
+            if out.is_finished():
+                done[out.request_id] = out.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [done[f"r{i}"] for i in range(len(ps))] == refs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_steps_graphed_on_gpu():
     """On a GPU (graphs on by default): the pure decode steps replay the whole model's CUDA graph
@@ -383,7 +418,7 @@ def test_uncapturable_model_decodes_eagerly():
     the host, which no capture allows): with graphs on by default the warm-up warns and every
     step runs eagerly, with the same tokens; with graphs=True it raises ValueError."""
     model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
-    model.lm_head.register_forward_hook(lambda m, i, o: o.sum().item())
+    model.lm_head.register_forward_hook(lambda m, i, o: None if o.sum().item() else None)
     ps = prompts([7, 20, 5], 1)
     refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
             for p in ps]

@@ -292,9 +292,10 @@ class LatentCache(PagedAttentionCache):
         split plan's lane block, tiles, split count; ``table_width`` fixes the rest), the new
         tokens of an absorbed chunk (its rows), the count of prompts and of chunks in a pass.
         So the MLA layers run eager steps that sweep each: 1..max_rows decode rows (at most
-        max_batch_tokens) beside a prompt and a chunk; one chunk of every absorbed length;
-        1..64 prompts; 1..16 expanded chunks; on zero inputs over the first blocks of the empty
-        pool (scratch rows: no request holds them, nothing reads them back). One layer of each
+        max_batch_tokens) beside a prompt and a chunk; one chunk of every length the absorbed
+        path serves (up to max_batch_tokens); 1..64 prompts; 1..16 expanded chunks; on zero
+        inputs over the first blocks of the empty pool (scratch rows: no request holds them,
+        nothing reads them back). One layer of each
         kind serves: the kernels are the layers', the rest of the model is torch's.
 
         A decode step the model cannot capture (a module that syncs or copies from pageable
@@ -313,19 +314,30 @@ class LatentCache(PagedAttentionCache):
                                      "enable with graphs=None or False") from e
                 warnings.warn(f"mla.hf_engine: the model's decode step cannot be captured as a CUDA graph ({e}); "
                               "its decode steps run eagerly", RuntimeWarning, stacklevel=3)
+        if self.device.type == "cuda":
+            self._sweep(max_rows)
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _sweep(self, max_rows: int) -> None:
+        """warm_up's eager steps (on any device: CPU runs them in the tests); nothing while a
+        request holds blocks, or in a pool or model too small for the scratch rows."""
         handle, bs = self.engine.handle, self.block_size
         cfg = handle.cfg
-        if (self.device.type != "cuda" or self.get_num_free_blocks() < self.num_blocks or self.num_blocks < 4
-                or cfg.max_position_embeddings < 4 * bs):
-            return time.perf_counter() - t0
+        if self.get_num_free_blocks() < self.num_blocks or self.num_blocks < 3 or cfg.max_position_embeddings < 3 * bs:
+            return
         # the layers up to the first that reads another's index rows (it needs its source's run)
         shared = cfg.index_shared_layers
         layers = handle.layers[:1 + (min(shared) if shared else 0)]
-        absorb = min(absorb_max_new(cfg), 3 * bs - 3)  # chunk lengths of the absorbed path (c > 0)
+        # every row's table: the first blocks of the pool, as many as the longest row needs
+        limit = min(self.num_blocks * bs, cfg.max_position_embeddings)
+        absorb = min(absorb_max_new(cfg), self.max_batch_tokens, limit - 2 * bs)   # absorbed chunks' lengths
+        table = list(range(min(self.num_blocks, -(-(2 * bs + absorb + 3) // bs))))
 
         def step(rows):
+            rows = [(c, n) for c, n in rows if c + n <= min(len(table) * bs, cfg.max_position_embeddings)]
             reqs = [(("warm", i), c, n) for i, (c, n) in enumerate(rows)]
-            batch = self.latent.batch_from_tables(reqs, [[0, 1, 2, 3]] * len(reqs), width=self._step_width)
+            batch = self.latent.batch_from_tables(reqs, [table] * len(reqs), width=self._step_width)
             x = torch.zeros(batch.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
             for layer in layers:
                 layer(x, batch)
@@ -333,15 +345,13 @@ class LatentCache(PagedAttentionCache):
         with torch.no_grad():
             for b in range(1, min(max_rows, self.max_batch_tokens) + 1):
                 step([decode] * b + [chunk, prompt])
+            # chunks' prefixes of both alignments: a kernel's integer arguments specialise on it
             for n in range(2, absorb + 1):
-                step([decode, (bs, n)])
+                step([decode, (bs + n % 2, n)])
             for k in range(1, 65):
                 step([decode] + [(0, bs + k % 3)] * k)
-            if absorb < 3 * bs - 3:
-                for k in range(1, 17):
-                    step([decode] + [(bs, absorb + 1 + k % 3)] * k)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+            for k in range(1, 17):
+                step([decode] + [(bs + k % 5, absorb + 1 + k % 3)] * k)
 
     def _run_decode(self, input_ids, logits_to_keep, reqs, tables):
         """The whole decode step: the model's output with the logits the engine samples from,
