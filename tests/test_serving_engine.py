@@ -67,6 +67,17 @@ class Steps:
         return [{"prefill" if c == 0 else "decode" if n == 1 else "chunk" for _, c, n in s} for s in self.steps]
 
 
+def finished(manager, count: int) -> dict:
+    """Each of count requests' generated tokens, by request id, as the manager finishes them."""
+    done = {}
+    while len(done) < count:
+        out = manager.get_result(timeout=30)
+        assert out is not None, "the engine stopped answering"
+        if out.is_finished():
+            done[out.request_id] = out.generated_tokens
+    return done
+
+
 def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
     model = make_model(family(case), **CASES[case])
     ps = prompts(lengths, seed)
@@ -336,12 +347,7 @@ def test_warm_up_sweep_then_serves_the_same_tokens():
     try:
         for i, p in enumerate(ps):
             manager.add_request(p, request_id=f"r{i}")
-        done = {}
-        while len(done) < len(ps):
-            out = manager.get_result(timeout=30)
-            assert out is not None, "the engine stopped answering"
-            if out.is_finished():
-                done[out.request_id] = out.generated_tokens
+        done = finished(manager, len(ps))
     finally:
         manager.stop(block=True, timeout=30)
     assert [done[f"r{i}"] for i in range(len(ps))] == refs
@@ -397,12 +403,7 @@ def test_warmup_compiles_what_the_eager_steps_run():
         manager.start()
         for i, (p, n) in enumerate(zip(prompts(lengths, 4), budgets)):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        done = {}
-        while len(done) < len(lengths):
-            out = manager.get_result(timeout=30)
-            assert out is not None, "the engine stopped answering"
-            if out.is_finished():
-                done[out.request_id] = out.generated_tokens
+        done = finished(manager, len(lengths))
     finally:
         JITFunction._do_compile = compile_fn
         manager.stop(block=True, timeout=30)
