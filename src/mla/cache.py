@@ -327,7 +327,8 @@ class PagedLatentCache:
         if width is None:
             width = longest
         elif not isinstance(width, int) or isinstance(width, bool) or width < longest:
-            raise ValueError(f"width: expected an int >= {longest} (the step's longest table, in blocks), got {width!r}")
+            raise ValueError(f"width: expected an int >= {longest} (the step's longest table, in blocks), "
+                             f"got {width!r}")
         # the blocks the step reads, as one host tensor checked at once (a step of 256 sequences
         # holds ~10k block ids: a Python check of each costs milliseconds a step); array's int64
         # conversion refuses what is not an int, ~5x faster than torch.tensor of a list

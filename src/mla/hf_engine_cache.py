@@ -295,8 +295,8 @@ class LatentCache(PagedAttentionCache):
         max_batch_tokens) beside a prompt and a chunk; one chunk of every length the absorbed
         path serves (up to max_batch_tokens); 1..64 prompts; 1..16 expanded chunks; on zero
         inputs over the first blocks of the empty pool (scratch rows: no request holds them,
-        nothing reads them back). One layer of each
-        kind serves: the kernels are the layers', the rest of the model is torch's.
+        nothing reads them back). One layer of each kind serves: the kernels are the layers',
+        the rest of the model is torch's.
 
         A decode step the model cannot capture (a module that syncs or copies from pageable
         host memory, as transformers' float32 grouped-MoE path on the H200) leaves decode steps
