@@ -20,6 +20,8 @@ Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
   copied in one transfer. Any other step (prefills, chunked prefills, mixed) runs the model
   eagerly: the engine's block tables and write index (its slot mapping) become one ``mla.Batch``
   (``PagedLatentCache.batch_from_tables``) that every MLA layer reads.
+- before the loop serves, the manager's ``warmup`` captures the decode graphs and compiles the
+  kernel variants the eager steps will meet (``LatentCache.warm_up``).
 
 Admission never evicts: a request is admitted only when the pool holds its whole life (prompt +
 ``max_new_tokens``) beside what the admitted requests may still grow to, so a running request
@@ -224,9 +226,9 @@ class LatentBatchingManager(ContinuousBatchingManager):
         """transformers' warm-up before serving (``generate_batch`` calls it; ``start`` does
         where it was not called): capture every decode bucket's graph and compile the kernel
         variants of the eager steps, on the calling thread (``LatentCache.warm_up``), so that
-        neither stalls the engine's loop (a first-time compile takes seconds a variant; a
-        capture inside the loop failed on the H200: a CPU-to-GPU copy under capture, from the
-        engine's thread)."""
+        neither stalls the engine's loop (a first-time compile takes seconds a variant).
+        ValueError where graphs were asked for and the model's decode step cannot be captured;
+        the model's attention implementation is then restored."""
         if self.batch_processor is None:
             self.batch_processor = self._create_batch_processor()
         try:
