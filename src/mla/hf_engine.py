@@ -59,8 +59,9 @@ ATTENTION = "paged|mla_latent"
 # What the engine's own paths need that a latent cache does not provide (docs/serving.md)
 _REFUSED = dict(use_cuda_graph="its graphs capture the model's forward on the engine's padded inputs; mla's pure "
                                 "decode steps replay a graph of their own (enable's graphs)",
-                use_async_batching="it prepares step N+1 while step N runs; mla plans a step from the engine's "
-                                   "calls for that step",
+                use_async_batching="it overlaps step N+1's host work and transfers with step N on CUDA streams "
+                                   "of its own, which mla's steps (host-built tables and packed rows) are not "
+                                   "validated under",
                 varlen_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 decode_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 cpu_offload_space="admission reserves every request's blocks, so nothing is ever offloaded")
