@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["LatentCache", "RequestRefused", "pool_blocks", "DEFAULT_MAX_BATCH_TOKENS"]
 
 DEFAULT_MAX_BATCH_TOKENS = 8192     # the engine's own default
-WARM_ROWS = 256                     # decode rows of the widest step LatentCache.warm_up compiles for
+MAX_DECODE_ROWS = 256               # the largest decode graph's rows, and the widest step warm_up compiles
 
 
 class RequestRefused(ValueError):
@@ -158,7 +158,7 @@ class LatentCache(PagedAttentionCache):
         problem = _graph_problem(handle._family_cfg, self.latent)
         if problem:
             raise ValueError(f"graphs: {handle.model_type!r}: {problem} (enable with graphs=False)")
-        buckets = tuple(b for b in DEFAULT_BUCKETS + (256,) if b <= max(self.max_batch_tokens, 1))
+        buckets = tuple(b for b in DEFAULT_BUCKETS + (MAX_DECODE_ROWS,) if b <= max(self.max_batch_tokens, 1))
         return DecodeStep(handle, self.table_width, cuda_graphs=True, cache=self.latent, buckets=buckets)
 
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
@@ -285,7 +285,7 @@ class LatentCache(PagedAttentionCache):
         batch = self.latent.batch_from_tables(reqs, tables, kwargs["write_index"][0][:T], width=self._step_width)
         return _Step(batch, None, requests=reqs)
 
-    def warm_up(self, max_rows: int = WARM_ROWS) -> float:
+    def warm_up(self, max_rows: int = MAX_DECODE_ROWS) -> float:
         """Capture every decode bucket's graph, then compile the eager steps' kernels, before
         serving. On a GPU a Triton or Gluon kernel compiles at the first call of each variant
         (seconds each), and a variant follows the step's shape: the count of decode rows (the
