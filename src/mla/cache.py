@@ -177,6 +177,11 @@ class PagedLatentCache:
         return len(self._free)
 
     @property
+    def max_table_width(self) -> int:
+        """Blocks in the widest table a sequence can have: the pool's, or the model's positions'."""
+        return min(self.num_blocks, -(-self.cfg.max_position_embeddings // self.block_size))
+
+    @property
     def seq_ids(self) -> list[Hashable]:
         return list(self._lengths)
 

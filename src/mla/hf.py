@@ -261,12 +261,11 @@ class PatchHandle:
         problem = _graph_problem(self._family_cfg, cache)
         if graphs is None:
             graphs = cache.device.type == "cuda" and not self.cfg.has_indexer and problem is None
-        # the widest table a sequence can have: the pool, or the model's positions; the eager
-        # decode steps of a dense family run the same static step, so that their decode kernel
-        # and split count (chosen from the table's width) are the graph's
-        width = min(cache.num_blocks, -(-self.cfg.max_position_embeddings // cache.block_size))
+        # the widest table a sequence can have; the eager decode steps of a dense family run the
+        # same static step, so that their decode kernel and split count (chosen from the table's
+        # width) are the graph's
         static = problem is None and (graphs or not self.cfg.has_indexer)
-        self._decode = DecodeStep(self, width, cuda_graphs=bool(graphs)) if static else None
+        self._decode = DecodeStep(self, cache.max_table_width, cuda_graphs=bool(graphs)) if static else None
         self._graphs_on = bool(graphs) and static
 
     @property

@@ -119,11 +119,10 @@ class LatentCache(PagedAttentionCache):
         self.scheduler = None                  # set by the manager: admission reads the requests' budgets
         self._reserved: dict[str, int] = {}    # admitted request -> blocks it may still allocate
         self._step: list[tuple[str, int, int]] = []   # (request, cached, new) of the step being prepared
-        # the widest table a request can have (the pool, or the model's positions): on a GPU every
-        # step's block table has this width, so that the decode kernels of the eager steps come
-        # in one variant a decode-row count, compiled by ``warm_up`` before serving
-        self.table_width = min(self.num_blocks, -(-handle.cfg.max_position_embeddings // self.block_size))
-        self._step_width = self.table_width if self.device.type == "cuda" else None
+        # on a GPU every step's block table has the widest table's width, so that the decode
+        # kernels of the eager steps come in one variant a decode-row count, compiled by
+        # ``warm_up`` before serving
+        self._step_width = self.latent.max_table_width if self.device.type == "cuda" else None
         self.decode = self._whole_step(engine, handle)   # pure decode steps; None: every step eager
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -159,7 +158,7 @@ class LatentCache(PagedAttentionCache):
         if problem:
             raise ValueError(f"graphs: {handle.model_type!r}: {problem} (enable with graphs=False)")
         buckets = tuple(b for b in DEFAULT_BUCKETS + (MAX_DECODE_ROWS,) if b <= max(self.max_batch_tokens, 1))
-        return DecodeStep(handle, self.table_width, cuda_graphs=True, cache=self.latent, buckets=buckets)
+        return DecodeStep(handle, self.latent.max_table_width, cuda_graphs=True, cache=self.latent, buckets=buckets)
 
     def check_fits(self, prompt_tokens: int, new_tokens: int | None) -> None:
         """ValueError if a request of prompt_tokens + new_tokens can never be admitted."""
@@ -289,7 +288,7 @@ class LatentCache(PagedAttentionCache):
         """Capture every decode bucket's graph, then compile the eager steps' kernels, before
         serving. On a GPU a Triton or Gluon kernel compiles at the first call of each variant
         (seconds each), and a variant follows the step's shape: the count of decode rows (the
-        split plan's lane block, tiles, split count; ``table_width`` fixes the rest), the new
+        split plan's lane block, tiles, split count; the fixed table width the rest), the new
         tokens of an absorbed chunk (its rows), the count of prompts and of chunks in a pass.
         So the MLA layers run eager steps that sweep each: 1..max_rows decode rows (at most
         max_batch_tokens) beside a prompt and a chunk; one chunk of every length the absorbed
