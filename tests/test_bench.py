@@ -465,10 +465,11 @@ def test_sparse_quick_shrinks_only_what_is_not_given():
     g = sparse.grid(parse("sparse", "--section", "indexer", "prefill", "indexer", "--no-peers", "--kv", "fp8_tile"))
     assert g.sections == ("indexer", "prefill") and not g.peers and g.kv == ("fp8_tile",)
     assert sparse.grid(parse("sparse", "--index-keys", "fp8_ue8m0")).index_keys == ("fp8_ue8m0",)
+    assert sparse.grid(parse("sparse", "--kv", "fp8")).kv == ("fp8",)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--topk", "0"), "positive"), (("--section", "dense"), "invalid choice"), (("--kv", "fp8"), "invalid choice"),
+    (("--topk", "0"), "positive"), (("--section", "dense"), "invalid choice"), (("--kv", "int8"), "invalid choice"),
     (("--topk", "5000", "--context", "4096"), "at most --context (4096)"),
     (("--section", "prefill", "--topk", "40000"), "at most --prefill-kv (32768)"),
 ])
@@ -526,6 +527,13 @@ def test_decode_cache_on_cpu():
                 assert s // 16 in table[b].tolist() and table[b].tolist().index(s // 16) * 16 + s % 16 < 100
     c = sparse_cases.decode_case(cache, 5, 1)
     assert c["q"].shape == (4, 1, 5, 576) and torch.equal(c["indices"], idx[:, :1])
+    # per-tensor FP8 rows (scale 1): the same positions, e4m3 rows of 576
+    fp8 = sparse_cases.decode_cache(4, 100, 16, 2, 32, "fp8", device="cpu")
+    assert fp8["kv"].shape == (28, 16, 576) and fp8["kv"].dtype == torch.float8_e4m3fn
+    assert torch.equal(fp8["indices"], idx)
+    named_rows = fp8["kv"].view(-1, 576)[named].float()      # the same bf16 rows, each in e4m3 (3 fraction bits)
+    assert ((named_rows - rows[named]).abs() <= 0.125 * rows[named].abs() + 2 ** -9).all()
+    assert fp8["kv"].view(-1, 576)[~named].float().isnan().all()
 
 
 def test_prefill_and_indexer_cases_on_cpu():
@@ -895,16 +903,21 @@ def test_sparse_step_fills_index_keys_through_the_block_table(keys):
     assert cache.index_keys(0)[cache.blocks("pad")].float().abs().sum() == 0
 
 
-def test_sparse_step_row_on_cpu_with_stand_in_timers(monkeypatch):
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_tile"])
+def test_sparse_step_row_on_cpu_with_stand_in_timers(monkeypatch, kv):
     from mla.bench import sparse_step
 
     times = iter([300.0, 100.0])
     monkeypatch.setattr(sparse_step, "_replay_checked", lambda step, want: (next(times), bench.rel_err(
         step().float(), want.float())))
     monkeypatch.setattr(sparse_step, "kernel_times_us", lambda fn: (fn(), {"_logits_kernel": 9.0, "gemm": 20.0})[1])
-    row, lines = sparse_step.step_shape(1, 2, 70, 16, 4, 64, "bf16", 16, device="cpu")
+    made = []
+    real = mla.PagedLatentCache
+    monkeypatch.setattr(mla, "PagedLatentCache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    row, lines = sparse_step.step_shape(1, 2, 70, 16, 4, 64, "bf16", 16, device="cpu", kv=kv)
+    assert [c.format for c in made] == [{"bf16": "plain"}.get(kv, kv)] * 2     # the dense and the sparse layer's
     assert (row["dense_us"], row["sparse_us"], row["speedup"]) == (300.0, 100.0, 3.0)
-    assert row["check"] == "ok" and row["rel_err"] == 0.0 and (row["H"], row["B"], row["L"]) == (1, 2, 70)
+    assert row["check"] == "ok" and row["rel_err"] == 0.0 and (row["H"], row["B"], row["L"], row["kv"]) == (1, 2, 70, kv)
     assert lines == ["      sparse step's kernels (us, eager): gemm 20.0, _logits_kernel 9.0"]
 
 

@@ -11,7 +11,7 @@ DeepSeek-V3.2 dimensions: rows of r + dr = 512 + 64 values, the value the first 
 table, a few -1 at the tail of every 7th query, NaN in every row no index names).
 
 1. decode: ``mla.ops.sparse_mla_decode`` on bf16 rows [blocks, page, 576] and FlashMLA's FP8
-   rows (uint8 [blocks, page, 656], ``mla.quant``), against FlashMLA's sparse decode (FP8, 64
+   rows (uint8 [blocks, page, 656], ``mla.quant``; ``--kv fp8``: per-tensor e4m3 rows), against FlashMLA's sparse decode (FP8, 64
    or 128 heads) and, on bf16 rows, FlashMLA's sparse prefill kernel over the cache's slots.
    One CUDA graph over copies of the cache rotated past the L2 (``graph_time_us``);
        bytes = B * s_q * topk * row_bytes + B * s_q * H * (576 + 512) * 2   (rows read, q in, out)
@@ -59,7 +59,7 @@ __all__ = ["add_args", "validate", "run", "Grid", "grid", "sparse_decode_bytes",
 
 SECTIONS = ("decode", "prefill", "indexer", "step")
 INDEX_KEYS = ("bf16", "fp8_ue8m0")   # the indexer's key rows (mla.quant)
-KV_FORMATS = ("bf16", "fp8_tile")
+KV_FORMATS = ("bf16", "fp8", "fp8_tile")
 INDEXER_TARGET = 0.25      # the goal: indexer + top-k at most this fraction of the sparse decode
 FULL = dict(heads=(16, 64, 128), batch=(32, 128), s_q=(1, 2), topk=2048, context=32768,
             prefill_heads=(64, 128), prefill_queries=4096, prefill_kv=32768)
@@ -141,8 +141,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", **one, help="indices per query (default 2048)")
     p.add_argument("--context", **one, help="tokens per sequence, decode and indexer (default 32768)")
     p.add_argument("--page", type=positive_int, default=64, help="block size of the paged caches")
-    p.add_argument("--kv", nargs="+", choices=KV_FORMATS, default=list(KV_FORMATS),
-                   help="decode cache rows: bf16 (1152 B) and FlashMLA's FP8 rows (656 B)")
+    p.add_argument("--kv", nargs="+", choices=KV_FORMATS, default=["bf16", "fp8_tile"],
+                   help="decode cache rows: bf16 (1152 B), per-tensor FP8 (576 B), FlashMLA's FP8 rows (656 B)")
     p.add_argument("--prefill-heads", **many, help="prefill heads (default 64 128)")
     p.add_argument("--prefill-queries", **one, help="prefill query tokens (default 4096)")
     p.add_argument("--prefill-kv", **one, help="prefill kv rows (default 32768)")

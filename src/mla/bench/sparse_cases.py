@@ -66,11 +66,13 @@ def nan_unindexed(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def store_rows(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """bf16 latent rows [N, R + DR] -> stored rows: as they are ("bf16") or FlashMLA's 656-byte
-    FP8 rows ("fp8_tile", uint8 [N, 656], ``mla.quant``), quantized in chunks."""
+    """bf16 latent rows [N, R + DR] -> stored rows: as they are ("bf16"), per-tensor FP8 rows
+    ("fp8", float8_e4m3fn [N, 576], scale 1) or FlashMLA's 656-byte FP8 rows ("fp8_tile", uint8
+    [N, 656]), quantized by ``mla.quant`` in chunks."""
     if kv_format == "bf16":
         return rows
-    out = torch.empty(rows.shape[0], quant.row_width(kv_format, R, DR), dtype=torch.uint8, device=rows.device)
+    out = torch.empty(rows.shape[0], quant.row_width(kv_format, R, DR), device=rows.device,
+                      dtype=quant.storage_dtype(kv_format, rows.dtype))
     for i in range(0, rows.shape[0], QUANT_CHUNK):
         out[i:i + QUANT_CHUNK] = quant.quantize_rows(rows[i:i + QUANT_CHUNK], kv_format, R)
     return out
@@ -78,7 +80,7 @@ def store_rows(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
 
 def decode_cache(B: int, context: int, page: int, s_q: int, topk: int, kv_format: str, device="cuda") -> dict:
     """What every decode shape of one (B, format) shares: a cache of B * ceil(context / page)
-    blocks of ``page`` rows (bf16 [blocks, page, 576] or uint8 [blocks, page, 656]), the shuffled
+    blocks of ``page`` rows (bf16 or e4m3 [blocks, page, 576], uint8 [blocks, page, 656]), the shuffled
     block table [B, ceil(context / page)] int32 and indices [B, s_q, topk] int32 (fewer query
     tokens take the first ones). Rows no index names are NaN."""
     g = _generator(device, B, context, page, s_q, topk)

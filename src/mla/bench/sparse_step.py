@@ -2,10 +2,11 @@
 the lightning indexer, its top-k, sparse attention over the selected latent rows) against the
 same layer without its indexer (DeepSeek-V3's dense MLA step over every cached row).
 
-For each heads H, batch B and index key format: B sequences of ``--context`` tokens, the last one
-new, both layers with the same random weights (``mla.testing``) over the same cached latent rows
-(bf16, page ``--page``); the V3.2 layer's cache also holds random index keys (bf16, or DeepSeek's
-FP8 rows). Each step is captured once in a CUDA graph and replayed (``graph_time_us``: device time,
+For each heads H, batch B, cache format (``--kv``: bf16 rows, per-tensor FP8 rows, FlashMLA's
+FP8 tile rows) and index key format: B sequences of ``--context`` tokens, the last one new, both
+layers with the same random weights (``mla.testing``) over the same cached latent rows, stored in
+that format (page ``--page``); the V3.2 layer's cache also holds random index keys (bf16, or
+DeepSeek's FP8 rows). Each step is captured once in a CUDA graph and replayed (``graph_time_us``: device time,
 no Python; the plan and RoPE tables are the batch's memos, made by an eager call first). A row:
 
     dense_us, sparse_us   the two replays, per layer
@@ -24,9 +25,10 @@ from . import report
 from .layer_step import build_layer, fill_latents, v3_config
 from .timing import graph_time_us, kernel_times_us
 
-__all__ = ["v32_config", "fill_index_keys", "step_shape", "run_step", "STEP_COLS"]
+__all__ = ["v32_config", "fill_index_keys", "step_shape", "run_step", "STEP_COLS", "CACHE"]
 
-STEP_COLS = [("H", 4, "d"), ("B", 4, "d"), ("L", 6, "d"), ("topk", 5, "d"), ("keys", 9, "<"), ("check", 5, "<"),
+STEP_COLS = [("H", 4, "d"), ("B", 4, "d"), ("L", 6, "d"), ("topk", 5, "d"), ("kv", 8, "<"), ("keys", 9, "<"),
+             ("check", 5, "<"),
              ("rel_err", 8, ".1e"), ("dense_us", 9, ".1f"), ("sparse_us", 9, ".1f"), ("speedup", 7, ".2f")]
 TOL = 1e-2          # the replay against the eager call: the same kernels on the same rows
 KERNELS = 8         # kernels listed under a row
@@ -74,9 +76,15 @@ def _replay_checked(step, want: torch.Tensor) -> tuple[float, float]:
     return graph_time_us([step]), err
 
 
+# a cache format of ``--kv`` -> PagedLatentCache's dtype and FP8 scaling
+CACHE = {"bf16": (torch.bfloat16, "tensor"), "fp8": (torch.float8_e4m3fn, "tensor"),
+         "fp8_tile": (torch.float8_e4m3fn, "tile")}
+
+
 def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: int, keys: str, page: int,
-               device="cuda") -> tuple[dict, list[str]]:
-    """One row (and its kernel lines): the V3.2 layer's step and the dense V3 layer's."""
+               device="cuda", kv: str = "bf16") -> tuple[dict, list[str]]:
+    """One row (and its kernel lines): the V3.2 layer's step and the dense V3 layer's, both over
+    a cache of ``kv`` rows."""
     import mla
     from mla.testing import random_state_dict
 
@@ -90,11 +98,13 @@ def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: i
     latents = torch.randn(B, L - 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=gen, device=device,
                           dtype=torch.bfloat16)
     blocks = -(-L // page)
-    row = dict(section="step", H=H, B=B, L=L, topk=topk, keys=keys)
+    row = dict(section="step", H=H, B=B, L=L, topk=topk, kv=kv, keys=keys)
+    dtype, scaling = CACHE[kv]
     out = {}
     for name, layer, c in (("dense", dense, dense_cfg), ("sparse", sparse, cfg)):
-        cache = mla.PagedLatentCache(c, num_blocks=B * blocks, block_size=page, dtype=torch.bfloat16, device=device,
-                                     index_format=None if name == "dense" or keys == "bf16" else keys)
+        index_format = None if name == "dense" or keys == "bf16" else keys
+        cache = mla.PagedLatentCache(c, num_blocks=B * blocks, block_size=page, dtype=dtype, device=device,
+                                     fp8_scaling=scaling, index_format=index_format)
         cache.prepare([(b, L - 1) for b in range(B)])
         batch = cache.prepare([(b, 1) for b in range(B)])
         fill_latents(cache, batch.block_table, latents)
@@ -115,7 +125,7 @@ def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: i
 
 
 def run_step(g, fm, rows: list, csv: str | None) -> None:
-    """Every (heads, batch, index keys) of the grid at ``--context``."""
+    """Every (heads, batch, cache format, index keys) of the grid at ``--context``."""
     from .sparse import _emit, _error
 
     print(f"\n## a DeepSeek-V3.2 layer's decode step (indexer {g.index_heads} x {g.index_dim}, top-{g.topk}) "
@@ -123,11 +133,11 @@ def run_step(g, fm, rows: list, csv: str | None) -> None:
     print(report.fixed_header(STEP_COLS), flush=True)
     for H in g.heads:
         for B in g.batch:
-            for keys in g.index_keys:
+            for kv, keys in ((kv, keys) for kv in g.kv for keys in g.index_keys):
                 try:
-                    row, lines = step_shape(H, B, g.context, g.topk, g.index_heads, g.index_dim, keys, g.page)
+                    row, lines = step_shape(H, B, g.context, g.topk, g.index_heads, g.index_dim, keys, g.page, kv=kv)
                 except Exception as e:
-                    row, lines = dict(section="step", H=H, B=B, L=g.context, keys=keys, check="error",
+                    row, lines = dict(section="step", H=H, B=B, L=g.context, kv=kv, keys=keys, check="error",
                                       error=_error(e)), []
                     if torch.cuda.is_initialized():
                         torch.cuda.set_stream(torch.cuda.default_stream())
