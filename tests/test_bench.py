@@ -917,7 +917,8 @@ def test_sparse_step_row_on_cpu_with_stand_in_timers(monkeypatch, kv):
     row, lines = sparse_step.step_shape(1, 2, 70, 16, 4, 64, "bf16", 16, device="cpu", kv=kv)
     assert [c.format for c in made] == [{"bf16": "plain"}.get(kv, kv)] * 2     # the dense and the sparse layer's
     assert (row["dense_us"], row["sparse_us"], row["speedup"]) == (300.0, 100.0, 3.0)
-    assert row["check"] == "ok" and row["rel_err"] == 0.0 and (row["H"], row["B"], row["L"], row["kv"]) == (1, 2, 70, kv)
+    assert row["check"] == "ok" and row["rel_err"] == 0.0
+    assert (row["H"], row["B"], row["L"], row["kv"]) == (1, 2, 70, kv)
     assert lines == ["      sparse step's kernels (us, eager): gemm 20.0, _logits_kernel 9.0"]
 
 

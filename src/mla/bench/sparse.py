@@ -11,8 +11,9 @@ DeepSeek-V3.2 dimensions: rows of r + dr = 512 + 64 values, the value the first 
 table, a few -1 at the tail of every 7th query, NaN in every row no index names).
 
 1. decode: ``mla.ops.sparse_mla_decode`` on bf16 rows [blocks, page, 576] and FlashMLA's FP8
-   rows (uint8 [blocks, page, 656], ``mla.quant``; ``--kv fp8``: per-tensor e4m3 rows), against FlashMLA's sparse decode (FP8, 64
-   or 128 heads) and, on bf16 rows, FlashMLA's sparse prefill kernel over the cache's slots.
+   rows (uint8 [blocks, page, 656], ``mla.quant``; ``--kv fp8``: per-tensor e4m3 rows), against
+   FlashMLA's sparse decode (FP8 tile rows, 64 or 128 heads) and, on bf16 rows, FlashMLA's
+   sparse prefill kernel over the cache's slots.
    One CUDA graph over copies of the cache rotated past the L2 (``graph_time_us``);
        bytes = B * s_q * topk * row_bytes + B * s_q * H * (576 + 512) * 2   (rows read, q in, out)
        FLOPs = 2 * B * s_q * H * topk * (576 + 512)

@@ -6,8 +6,9 @@ For each heads H, batch B, cache format (``--kv``: bf16 rows, per-tensor FP8 row
 FP8 tile rows) and index key format: B sequences of ``--context`` tokens, the last one new, both
 layers with the same random weights (``mla.testing``) over the same cached latent rows, stored in
 that format (page ``--page``); the V3.2 layer's cache also holds random index keys (bf16, or
-DeepSeek's FP8 rows). Each step is captured once in a CUDA graph and replayed (``graph_time_us``: device time,
-no Python; the plan and RoPE tables are the batch's memos, made by an eager call first). A row:
+DeepSeek's FP8 rows). Each step is captured once in a CUDA graph and replayed
+(``graph_time_us``: device time, no Python; the plan and RoPE tables are the batch's memos, made
+by an eager call first). A row:
 
     dense_us, sparse_us   the two replays, per layer
     speedup               dense_us / sparse_us (the issue's target: >= 3 at B 32, 32k)
@@ -28,8 +29,8 @@ from .timing import graph_time_us, kernel_times_us
 __all__ = ["v32_config", "fill_index_keys", "step_shape", "run_step", "STEP_COLS", "CACHE"]
 
 STEP_COLS = [("H", 4, "d"), ("B", 4, "d"), ("L", 6, "d"), ("topk", 5, "d"), ("kv", 8, "<"), ("keys", 9, "<"),
-             ("check", 5, "<"),
-             ("rel_err", 8, ".1e"), ("dense_us", 9, ".1f"), ("sparse_us", 9, ".1f"), ("speedup", 7, ".2f")]
+             ("check", 5, "<"), ("rel_err", 8, ".1e"), ("dense_us", 9, ".1f"), ("sparse_us", 9, ".1f"),
+             ("speedup", 7, ".2f")]
 TOL = 1e-2          # the replay against the eager call: the same kernels on the same rows
 KERNELS = 8         # kernels listed under a row
 
