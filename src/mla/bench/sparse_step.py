@@ -23,10 +23,11 @@ import torch
 
 from .. import quant
 from . import report
+from .layer_grid import KV_FORMATS
 from .layer_step import build_layer, fill_latents, v3_config
 from .timing import graph_time_us, kernel_times_us
 
-__all__ = ["v32_config", "fill_index_keys", "step_shape", "run_step", "STEP_COLS", "CACHE"]
+__all__ = ["v32_config", "fill_index_keys", "step_shape", "run_step", "STEP_COLS"]
 
 STEP_COLS = [("H", 4, "d"), ("B", 4, "d"), ("L", 6, "d"), ("topk", 5, "d"), ("kv", 8, "<"), ("keys", 9, "<"),
              ("check", 5, "<"), ("rel_err", 8, ".1e"), ("dense_us", 9, ".1f"), ("sparse_us", 9, ".1f"),
@@ -77,11 +78,6 @@ def _replay_checked(step, want: torch.Tensor) -> tuple[float, float]:
     return graph_time_us([step]), err
 
 
-# a cache format of ``--kv`` -> PagedLatentCache's dtype and FP8 scaling
-CACHE = {"bf16": (torch.bfloat16, "tensor"), "fp8": (torch.float8_e4m3fn, "tensor"),
-         "fp8_tile": (torch.float8_e4m3fn, "tile")}
-
-
 def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: int, keys: str, page: int,
                device="cuda", kv: str = "bf16") -> tuple[dict, list[str]]:
     """One row (and its kernel lines): the V3.2 layer's step and the dense V3 layer's, both over
@@ -100,7 +96,7 @@ def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: i
                           dtype=torch.bfloat16)
     blocks = -(-L // page)
     row = dict(section="step", H=H, B=B, L=L, topk=topk, kv=kv, keys=keys)
-    dtype, scaling = CACHE[kv]
+    dtype, scaling = KV_FORMATS[kv]
     out = {}
     for name, layer, c in (("dense", dense, dense_cfg), ("sparse", sparse, cfg)):
         index_format = None if name == "dense" or keys == "bf16" else keys
