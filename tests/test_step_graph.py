@@ -534,3 +534,30 @@ def test_capture_all_then_replay_gpu():
     assert same_kv(cache.kv, kv)
     eager = step(x1, batch)
     assert _rel(first, eager) <= 2e-2
+
+
+@cuda
+def test_failed_capture_leaves_the_generator_usable_gpu():
+    """A step that cannot be captured (it reads a value back on the host) raises from capture;
+    the device's random generator is as before it, not left in capture mode (every random op
+    would raise), and a capturable step captures afterwards."""
+    cfg = mla.MLAConfig.preset("deepseek-v3").replace(num_heads=16)
+    step = Step(cfg, 1, torch.bfloat16, device="cuda")
+    cache = nan_cache(cfg, torch.bfloat16, device="cuda", block_size=64, num_blocks=16, num_layers=1)
+
+    def host_read(x, batch):
+        out = step(x, batch)
+        return out if out.float().sum().item() != 0.5 else out
+    torch.cuda.manual_seed(7)
+    torch.rand(3, device="cuda")
+    state = torch.cuda.get_rng_state()
+    bad = mla.StepGraph(host_read, cache, max_blocks_per_seq=4, buckets=(2,), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        bad.capture()
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    after = torch.rand(5, device="cuda")
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(5, device="cuda"), after)
+    good = mla.StepGraph(step, cache, max_blocks_per_seq=4, buckets=(2,), dtype=torch.bfloat16)
+    good.capture()
+    assert good.captured == (2,)

@@ -309,9 +309,25 @@ class StepGraph:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._run(n)
+            rng = torch.cuda.default_generators[self.cache.device.index or 0]
+            before = rng.get_state()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self._run(n)
+            except BaseException:
+                _release_rng(rng, before)
+                raise
         self._graphs[n] = (graph, out)
+
+
+def _release_rng(rng: torch.Generator, state: torch.Tensor) -> None:
+    """The device's default generator as it was before a capture that failed. A capture puts
+    the generator in capture mode and only a capture that ends well takes it out, so after a
+    failed one every random op on the device raises ("Offset increment outside graph capture");
+    the generator gets a fresh state holding the seed and offset from before the capture."""
+    fresh = torch.Generator(device=rng.device)
+    fresh.set_state(state)
+    rng.graphsafe_set_state(fresh)
 
 
 def _rows(out, T: int, rows: int):
