@@ -1,8 +1,7 @@
 """Sparse MLA on the GPU: the kernels of ``indexer_logits``, ``topk_indices``,
-``sparse_mla_decode`` and ``sparse_prefill_attention`` (Triton; the Gluon seesaw for bf16 rows
-on Hopper) against the reference on real shapes
-(DeepSeek-V3.2: latent 512 + rope 64, topk up to 2048, index heads 64 x 128), and a sparse
-layer through them against the reference path. Tolerance: 2x PyTorch's own bf16 error against
+``sparse_mla_decode`` and ``sparse_prefill_attention`` (Triton; the Gluon seesaw on Hopper)
+against the reference on real shapes (DeepSeek-V3.2: latent 512 + rope 64, topk up to 2048,
+index heads 64 x 128), and a sparse layer through them against the reference path. Tolerance: 2x PyTorch's own bf16 error against
 a float64 oracle, as the dense kernels' tests."""
 from __future__ import annotations
 
@@ -156,6 +155,47 @@ def test_sparse_gluon_seesaw(H, N, topk, splits, sink, dtype):
     assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert _rel(out, want_o) <= 2 * _rel(low_o, want_o), (_rel(out, want_o), _rel(low_o, want_o))
     assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_tile"])
+@pytest.mark.parametrize("H,N,topk,splits,sink,dtype", [(128, 5, 2048, 3, False, torch.bfloat16),
+                                                         (64, 7, 300, 2, True, torch.bfloat16),
+                                                         (100, 9, 513, None, True, torch.float16),
+                                                         (128, 6, 77, 1, False, torch.bfloat16),
+                                                         (16, 33, 2048, None, False, torch.bfloat16)])
+def test_sparse_gluon_seesaw_fp8_rows(H, N, topk, splits, sink, dtype, fmt):
+    """The Hopper kernel on FP8 rows (its producer warpgroup gathers them by cp.async and widens
+    them): per-tensor rows with kv_scale 0.5 and tile rows, forced and default splits, a sink,
+    16 heads and heads off the 64-head tile, unindexed rows NaN (tile rows: 0x7F bytes, NaN
+    values and scales). Against the rows as stored, dequantized in float64."""
+    from mla.ops.decode.gluon import sparse as gluon_sparse
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need sm90")
+    g = torch.Generator(device="cuda").manual_seed(H + N + topk + len(fmt))
+    s_kv, kv_scale = 4000, 0.5 if fmt == "fp8" else 1.0
+    q = torch.randn(N, H, R + DR, device="cuda", generator=g).to(dtype)
+    kv = quant.quantize_rows(torch.randn(s_kv, R + DR, device="cuda", generator=g), fmt, R, kv_scale)
+    idx = torch.rand(N, s_kv, device="cuda", generator=g).argsort(-1)[:, :topk].int()
+    idx[::3, -7:] = -1
+    unused = torch.ones(s_kv, dtype=torch.bool, device="cuda")
+    unused[idx[idx >= 0].long()] = False
+    kv[unused] = 0x7F if fmt == "fp8_tile" else float("nan")
+    values = quant.dequantize_rows(kv, fmt, R, torch.float64, kv_scale).nan_to_num()
+    kv = kv.view(s_kv, 1, -1)
+    scale = 1 / math.sqrt(192)
+    s = torch.randn(H, device="cuda", generator=g) if sink else None
+    assert gluon_sparse.supports(q, kv, R)
+    out, lse = gluon_sparse.launch(q, kv, idx, R, scale, s, num_splits=splits, kv_scale=kv_scale)
+    valid = idx >= 0
+    rows = values[idx.long().clamp(min=0)]
+    want_o, want_l = _attend(q.double(), rows, valid, R, scale, torch.float64, s)
+    low_o, low_l = _attend(q.double(), rows, valid, R, scale, dtype, s)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert _rel(out, want_o) <= 2 * _rel(low_o, want_o), (_rel(out, want_o), _rel(low_o, want_o))
+    assert _lse_err(lse, want_l) <= 2 * _lse_err(low_l, want_l) + 1e-5
+    # the same launch again: the producer's stages and slots leave no state behind
+    again = gluon_sparse.launch(q, kv, idx, R, scale, s, num_splits=splits, kv_scale=kv_scale)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
 @pytest.mark.parametrize("index_format", [None, "fp8_ue8m0"])

@@ -3,6 +3,7 @@ registers, spills, shared memory, and the shared-memory, shuffle, conversion and
 instructions (a layout conversion that is not free shows up as extra STS/LDS/SHFL).
 
     PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,seesaw-fp8,seesaw-fp8tile,narrow,sparse,
+                                                  sparse-f32,sparse-fp8,sparse-fp8tile,
                                                   portable,portable-page16,portable-fp8,portable-tile,portable-fp32}
         [--block-b 32] [--partials bf16]
 
@@ -146,21 +147,28 @@ def narrow_kernel(m=None, block_b: int = BLOCK_B):
     return compile_gluon(m._narrow_kernel, _bf16_sig({}, "*fp32"), cx, _ALIGNED, maxnreg=168)     # float32 partials
 
 
-def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64):
-    """the sparse Gluon kernel (the seesaw over gathered rows) on bf16 rows, 128 heads, BN-key
-    tiles; bf16: one split, out by TMA; fp32: float32 partials from registers."""
+def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64, kv: str = "bf16"):
+    """the sparse Gluon kernel (the seesaw over gathered rows), 128 heads, BN-key tiles, on rows
+    of kv ("bf16"; "fp8" per-tensor and "tile" FP8 tile rows: 32-key tiles, the producer);
+    bf16 partials: one split, out by TMA; fp32: float32 partials from registers."""
     if m is None:
         from mla.ops.decode.gluon import sparse as m
-    bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    ints = ["stride_qn", "stride_qh", "stride_row", "stride_in", "stride_os", "stride_on", "stride_oh", "stride_ls",
-            "stride_ln", "H", "num_slots", "topk", "chunk", "num_splits", "has_sink"]
-    sig = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "SINK": "*fp32", "O": "*" + partials, "LSE": "*fp32",
-           "o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>", "qk_scale": "fp32", **{k: "i32" for k in ints}}
-    cx = {"BN": BN, "dtype": gl.bfloat16, "SM_L": gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16),
-          "P_SM": gl.NVMMASharedLayout.get_default_for([64, BN], gl.bfloat16), "TMA_OUT": partials != "fp32",
-          "num_warps": 4}
-    aligned = ["Q", "KV", "IDX", "O", "LSE", "stride_qn", "stride_qh", "stride_row", "stride_in", "stride_os",
-               "stride_on", "stride_oh", "stride_ls", "stride_ln"]
+    fmt = {"bf16": 0, "fp8": 1, "tile": 2}[kv]
+    gdt = gl.float16 if fmt == 1 else gl.bfloat16
+    o_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    ints = ["stride_qn", "stride_qh", "stride_row", "stride_pe", "stride_sc", "stride_in", "stride_os", "stride_on",
+            "stride_oh", "stride_ls", "stride_ln", "H", "num_slots", "topk", "chunk", "num_splits", "has_sink"]
+    rows = {0: ("*bf16", "*bf16", "*bf16"), 1: ("*fp8e4nv",) * 3, 2: ("*fp8e4nv", "*bf16", "*fp32")}[fmt]
+    sig = {"Q": "*bf16", "KV": rows[0], "PE": rows[1], "SC": rows[2], "IDX": "*i32", "SINK": "*fp32",
+           "O": "*" + partials, "LSE": "*fp32", "o_desc": f"tensordesc<bf16[64, 64],{o_l!r}>", "qk_scale": "fp32",
+           "v_scale": "fp32", **{k: "i32" for k in ints}}
+    cx = {"BN": BN, "dtype": gdt, "SM_L": gl.NVMMASharedLayout.get_default_for([BN, 64], gdt),
+          "P_SM": gl.NVMMASharedLayout.get_default_for([64, BN], gdt), "TMA_OUT": partials != "fp32" and fmt != 1,
+          "KV_FMT": fmt, "num_warps": 4}
+    aligned = ["Q", "KV", "PE", "SC", "IDX", "O", "LSE", "stride_qn", "stride_qh", "stride_row", "stride_pe",
+               "stride_sc", "stride_in", "stride_os", "stride_on", "stride_oh", "stride_ls", "stride_ln"]
+    if fmt == 2:    # 656-byte rows: strides of 656 bytes, 328 bf16, 164 float32 (4 divides them, 16 does not)
+        aligned = [a for a in aligned if a not in ("stride_pe", "stride_sc")]
     return compile_gluon(m._sparse_kernel, sig, cx, aligned, maxnreg=168)
 
 
@@ -200,6 +208,8 @@ KERNELS = {
     "narrow": lambda a: narrow_kernel(block_b=a.block_b),
     "sparse": lambda a: sparse_kernel(partials=a.partials),
     "sparse-f32": lambda a: sparse_kernel(partials="fp32", BN=32),                 # splits, 32-key tiles
+    "sparse-fp8": lambda a: sparse_kernel(partials=a.partials, BN=32, kv="fp8"),
+    "sparse-fp8tile": lambda a: sparse_kernel(partials=a.partials, BN=32, kv="tile"),
     "portable": lambda a: portable_kernel(),
     "portable-page16": lambda a: portable_kernel(page_tile=False),
     "portable-fp8": lambda a: portable_kernel(kv="fp8"),

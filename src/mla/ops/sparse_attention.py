@@ -146,7 +146,7 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
     rest, or any call with a config (the Triton kernel's schedule: tests, benchmarks), this
     module's kernel."""
     if config is None and gluon_sparse.supports(q, kv_rows, head_dim_v):
-        return gluon_sparse.launch(q, kv_rows, indices, head_dim_v, softmax_scale, attn_sink)
+        return gluon_sparse.launch(q, kv_rows, indices, head_dim_v, softmax_scale, attn_sink, kv_scale=kv_scale)
     N, H, d = q.shape
     topk = indices.shape[-1]
     out = torch.empty(N, H, head_dim_v, dtype=q.dtype, device=q.device)

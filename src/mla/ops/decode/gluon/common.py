@@ -550,7 +550,14 @@ def descriptors(kv_cache, fmt: int, block_n: int, gdt):
     if fmt == 1:
         d = desc(rows, 64, gl.float8e4nv)
         return d, d, d
+    lat, pe, sc = tile_row_parts(rows)
+    return desc(lat, 64, gl.float8e4nv), desc(pe, 64, gl.bfloat16), desc(sc, 4, gl.float32)
+
+
+def tile_row_parts(rows: torch.Tensor):
+    """FP8 tile rows as one uint8 matrix [N, 656] -> views of its parts, each a matrix of rows at
+    the same byte stride: (latent [N, 512] e4m3, k_pe [N, 64] bf16, scales [N, 4] float32)."""
     lat = rows[:, :D_V].view(torch.float8_e4m3fn)
     sc = rows[:, D_V: D_V + 4 * D_V // 128].view(torch.float32)
     pe = rows[:, D_V + 4 * D_V // 128:].view(torch.bfloat16)
-    return desc(lat, 64, gl.float8e4nv), desc(pe, 64, gl.bfloat16), desc(sc, 4, gl.float32)
+    return lat, pe, sc

@@ -345,7 +345,8 @@ def _wg0(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constex
         has1 = 2 * i + 1 < wk.n_tiles
         if sp is not None:
             ok = key_mask(sp, n0, wk.end, gl.SliceLayout(0, S_L), BN)
-            wait_gathered(sm.ready, b0, kph)
+            if KV_FMT == 0:
+                wait_gathered(sm.ready, b0, kph)
         else:
             ok = None
         if KV_FMT != 0:   # the producer widened tile 2i into slot b0
@@ -412,7 +413,7 @@ def _wg1(sm, wk, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, TMA_OUT: gl.constex
         else:
             ok = None
         if has1:
-            if sp is not None:
+            if sp is not None and KV_FMT == 0:
                 wait_gathered(sm.ready, b1, kph)
             if KV_FMT != 0:
                 mbarrier.wait(sm.ready.index(b1), kph)
