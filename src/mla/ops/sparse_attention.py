@@ -1,8 +1,9 @@
 """Sparse MLA attention in Triton: each query token attends to the cache rows its own ``indices``
-name (DeepSeek Sparse Attention), in the absorbed form. ``launch`` hands rows in q's dtype on a
-Hopper GPU to the Gluon seesaw over gathered rows (``decode.gluon.sparse``: 2.0-2.9x faster
-from 64 heads on the H200); this module's kernel serves the rest (FP8 and tile rows, other
-GPUs, the interpreter), both sparse ops:
+name (DeepSeek Sparse Attention), in the absorbed form. ``launch`` hands a Hopper GPU's calls
+(rows in q's dtype, FP8 rows, FP8 tile rows) to the Gluon seesaw over gathered rows
+(``decode.gluon.sparse``: 2.0-2.9x faster than this kernel on bf16 rows from 64 heads on the
+H200); this module's kernel serves the rest (other GPUs, float32, the interpreter), both sparse
+ops:
 
     sparse_mla_decode(q [B, s_q, H, d], kv_cache, indices [B, s_q, topk])   paged rows, flat slots
     sparse_prefill_attention(q [s_q, H, d], kv [s_kv, 1, d], indices [s_q, 1, topk])   a block of 1
@@ -141,8 +142,8 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, kv_scale=1.0, attn_si
            config: SparseConfig | None = None):
     """Sparse attention of q [N, H, d] over kv_rows [num_blocks, block_size, width] (a paged cache,
     or [s_kv, 1, d] rows: block_size 1) at indices [N, topk] int32 flat slots (-1 = none).
-    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. Rows in q's dtype on a
-    Hopper GPU run the Gluon seesaw (``decode.gluon.sparse``, where it takes the shapes); the
+    Returns out [N, H, head_dim_v] in q's dtype and lse [N, H] float32. On a Hopper GPU the
+    Gluon seesaw runs the calls it takes (``decode.gluon.sparse.supports``); the
     rest, or any call with a config (the Triton kernel's schedule: tests, benchmarks), this
     module's kernel."""
     if config is None and gluon_sparse.supports(q, kv_rows, head_dim_v):
