@@ -166,8 +166,8 @@ def test_sparse_gluon_seesaw(H, N, topk, splits, sink, dtype):
 def test_sparse_gluon_seesaw_fp8_rows(H, N, topk, splits, sink, dtype, fmt):
     """The Hopper kernel on FP8 rows (its producer warpgroup gathers them by cp.async and widens
     them): per-tensor rows with kv_scale 0.5 and tile rows, forced and default splits, a sink,
-    16 heads and heads off the 64-head tile, unindexed rows NaN (tile rows: 0x7F bytes, NaN
-    values and scales). Against the rows as stored, dequantized in float64."""
+    16 heads and heads off the 64-head tile, unindexed rows all 0x7F bytes (NaN values; tile
+    rows' scales NaN too). Against the rows as stored, dequantized in float64."""
     from mla.ops.decode.gluon import sparse as gluon_sparse
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need sm90")
@@ -179,7 +179,7 @@ def test_sparse_gluon_seesaw_fp8_rows(H, N, topk, splits, sink, dtype, fmt):
     idx[::3, -7:] = -1
     unused = torch.ones(s_kv, dtype=torch.bool, device="cuda")
     unused[idx[idx >= 0].long()] = False
-    kv[unused] = 0x7F if fmt == "fp8_tile" else float("nan")
+    kv.view(torch.uint8)[unused] = 0x7F                 # e4m3 NaN: values, and tile rows' scales
     values = quant.dequantize_rows(kv, fmt, R, torch.float64, kv_scale).nan_to_num()
     kv = kv.view(s_kv, 1, -1)
     scale = 1 / math.sqrt(192)
