@@ -208,9 +208,10 @@ def default_splits(N: int, H: int, topk: int, device) -> int:
     """Splits of each token's index list: enough programs for one wave (a program per SM: the
     seesaw's shared memory), each split at least 64 keys per 64-head block (every split adds a
     float32 partial of the token's heads, which the combine reads back). On the H100 (top-2048;
-    N 1-8; 128 and 16 heads; bf16 at N 1, FP8 and tile rows) this is the fastest of 2, 4, 8, 16 and 32 splits
-    in 16 of 17 shapes and 1.10x it in the last, and at N 1 takes 0.52-0.77x the time of the
-    splits of 256 keys that few tokens had before: a pipeline of a few tiles never fills."""
+    N 1-8; 128 and 16 heads; bf16 at N 1, FP8 and tile rows) this is the fastest of 2, 4, 8, 16
+    and 32 splits in 16 of 17 shapes and 1.10x it in the last, and at N 1 takes 0.52-0.77x the
+    time of the splits of 256 keys that few tokens had before: a pipeline of a few tiles never
+    fills."""
     blocks = triton.cdiv(H, BLOCK_M)
     programs = N * blocks
     return max(1, min(num_sms(device.index or 0) // max(programs, 1), triton.cdiv(topk, 64 * blocks)))
