@@ -186,7 +186,8 @@ def test_decode_variants():
     v = decode_variant("w4-n32-m16-s3-x2-g", cfg)
     assert (v.num_warps, v.block_n, v.block_m, v.num_stages, v.num_splits, v.page_tile) == (4, 32, 16, 3, 8, False)
     assert decode_variant("h8", cfg).num_splits == 1
-    for bad in ("w", "z3", "g2", "w4--n32"):
+    assert decode_variant("f-x2", cfg).flat and not cfg.flat
+    for bad in ("w", "z3", "g2", "f1", "w4--n32"):
         with pytest.raises(ValueError):
             decode_variant(bad, cfg)
 

@@ -184,6 +184,28 @@ def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
     assert torch.equal(first, torch.arange(len(lens)) * 3) and (count == 3).all()
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("lens,s_q,splits", [([300, 5, 0, 1, 17, 64], 2, 3), ([130, 20, 20, 20, 2], 1, 2),
+                                             ([0, 0, 33], 3, 2), ([64] * 4, 2, 3), ([90], 1, 4)])
+def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
+    """The portable kernel on the flattened plan (``split_plan.flat_split``): runs that end one
+    sequence and start the next, a partial a piece, merged by the combine; empty sequences, rows
+    that see nothing (length < s_q), equal lengths and one sequence; the output matches the
+    oracle and the plan's info is the host's."""
+    seen = {}
+    planned = split_plan.planned_results
+
+    def spy(*args):
+        o, l_, info = planned(*args)
+        seen["info"], seen["slots"] = info, o.shape[0]
+        return o, l_, info
+    monkeypatch.setattr(dcombine, "planned_results", spy)
+    cfg = portable.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits, flat=True)
+    check(lens, s_q, 3, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", seed=len(lens), cfg=cfg)
+    assert seen["info"].tolist() == split_plan.flat_plan(lens, splits, 16)[1]
+    assert seen["slots"] == splits * len(lens) + len(lens) - 1
+
+
 def plan_info(lens, splits, monkeypatch):
     """``check`` on lens at a fixed split count; returns the plan's info [B, 2] (first, count)."""
     seen = {}

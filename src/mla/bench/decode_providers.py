@@ -36,13 +36,14 @@ def decode_variant(name: str, cfg):
 
     ``default``, or dash-separated changes: ``w8`` warps, ``n32`` keys per tile, ``m32`` query
     rows per program, ``s3`` pipeline stages, ``x2`` / ``h2`` splits times / divided by 2,
-    ``g`` gather every row's page (no one-page tile). Raises ValueError on an unknown part.
+    ``g`` gather every row's page (no one-page tile), ``f`` the flattened plan (runs across
+    sequences, ``split_plan.flat_split``). Raises ValueError on an unknown part.
     """
     if name == "default":
         return cfg
     for part in name.split("-"):
         k, v = part[:1], part[1:]
-        if k in "wnmsxh" and not v.isdigit() or k == "g" and v:
+        if k in "wnmsxh" and not v.isdigit() or k in "gf" and v:
             raise ValueError(f"--variants: bad part {part!r} in {name!r}")
         if k == "w":
             cfg = replace(cfg, num_warps=int(v))
@@ -58,6 +59,8 @@ def decode_variant(name: str, cfg):
             cfg = replace(cfg, num_splits=max(1, cfg.num_splits // int(v)))
         elif k == "g":
             cfg = replace(cfg, page_tile=False)
+        elif k == "f":
+            cfg = replace(cfg, flat=True)
         else:
             raise ValueError(f"--variants: unknown part {part!r} in {name!r}")
     return cfg

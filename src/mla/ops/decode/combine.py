@@ -168,20 +168,20 @@ def combine(o_part, l_part, out, lse, info=None, *, pdl: bool = True):
 
 
 def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int, num_splits: int | Callable[[], int],
-               launch: Callable, *, part_dtype: torch.dtype = torch.float32, pdl: bool = True):
+               launch: Callable, *, part_dtype: torch.dtype = torch.float32, pdl: bool = True, flat: bool = False):
     """The frame of every split-KV decode launch: out [B, s_q, H, head_dim_v] in q's dtype and
     lse [B, s_q, H] float32; for a non-empty batch the plan's result slots
-    (``planned_results``, partials in part_dtype), ``launch(o_part, l_part, info, num_splits)``
-    (the split kernel's launch), and, with more than one split, ``combine``. num_splits may be
-    a callable, asked only for a non-empty batch (the default counts read the device).
-    max_len: the block table's capacity. Returns (out, lse)."""
+    (``planned_results``, partials in part_dtype; flat: the flattened plan's), ``launch(o_part,
+    l_part, info, num_splits)`` (the split kernel's launch), and, with more than one split,
+    ``combine``. num_splits may be a callable, asked only for a non-empty batch (the default
+    counts read the device). max_len: the block table's capacity. Returns (out, lse)."""
     B, s_q, H, _ = q.shape
     out = torch.empty(B, s_q, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:
         return out, lse
     S = num_splits() if callable(num_splits) else num_splits
-    o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype)
+    o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype, flat)
     launch(o_part, l_part, info, S)
     if S > 1:
         combine(o_part, l_part, out, lse, info, pdl=pdl)
