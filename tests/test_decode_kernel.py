@@ -188,10 +188,10 @@ def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
 @pytest.mark.parametrize("lens,s_q,splits", [([300, 5, 0, 1, 17, 64], 2, 3), ([130, 20, 20, 20, 2], 1, 2),
                                              ([0, 0, 33], 3, 2), ([64] * 4, 2, 3), ([90], 1, 4)])
 def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
-    """The portable kernel on the flattened plan (``split_plan.flat_split``): runs that end one
-    sequence and start the next, a partial a piece, merged by the combine; empty sequences, rows
-    that see nothing (length < s_q), equal lengths and one sequence; the output matches the
-    oracle and the plan's info is the host's."""
+    """The portable kernel on the flattened plan (``split_plan.flat_split``): a program a piece
+    of the batch's chunks laid end to end, merged by the combine; empty sequences, rows that
+    see nothing (length < s_q), equal lengths and one sequence; the output matches the oracle
+    and the plan's info is the host's."""
     seen = {}
     planned = split_plan.planned_results
 
@@ -203,7 +203,7 @@ def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
     cfg = portable.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits, flat=True)
     check(lens, s_q, 3, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", seed=len(lens), cfg=cfg)
     assert seen["info"].tolist() == split_plan.flat_plan(lens, splits, 16)[1]
-    assert seen["slots"] == splits * len(lens) + len(lens) - 1
+    assert seen["slots"] == split_plan.flat_programs(splits, len(lens))
 
 
 def plan_info(lens, splits, monkeypatch):

@@ -98,28 +98,35 @@ def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len):
 
 
 # ---------------------------------------------------------------- the flattened plan
+FLAT_CASES = CASES + [([4096] + [256] * 31, 2), ([1] * 9, 2), ([200, 0, 0, 1], 3), ([0, 0, 5], 2)]
+
 
 def test_host_flat_plan_cuts_the_batch_evenly():
-    """``flat_plan``: each program holds at most W = ceil(total chunks / P) chunks, every key of
-    every sequence lies in exactly one piece, a sequence's pieces are consecutive slots in key
-    order (info: first, count; an empty sequence count 0), and there are at most P + B - 1."""
-    for lens, S in CASES + [([4096] + [256] * 31, 2), ([1] * 9, 2), ([200, 0, 0, 1], 3)]:
+    """``flat_plan``: at mixed lengths no piece holds more than W = ceil(total chunks / P)
+    chunks, every key of every sequence lies in exactly one piece, a sequence's pieces are
+    consecutive programs in key order (info: first, count; an empty sequence count 0), and the
+    programs past the last piece hold nothing. Equal lengths: the fixed split."""
+    for lens, S in FLAT_CASES:
         pieces, info = split_plan.flat_plan(lens, S, 16)
         B, P = len(lens), S * len(lens)
-        chunks = [-(-n // 16) for n in lens]
-        W = max(1, -(-sum(chunks) // P))
-        assert len(pieces) <= P + B - 1
-        for p in range(P):
-            assert sum(-(-(e - s) // 16) for p_, _, s, e in pieces if p_ == p) <= W
+        assert len(pieces) == split_plan.flat_programs(S, B) == P + B - 1
+        if min(lens) == max(lens):
+            assert pieces[:P] == split_plan.plan(lens, S, 16) and set(pieces[P:]) <= {(0, 0, 0)}
+            continue
+        W = max(1, -(-sum(-(-n // 16) for n in lens) // P))
+        assert all(-(-(e - s) // 16) <= W for _, s, e in pieces)
+        used = 0
         for b, n in enumerate(lens):
-            mine = [(k, s, e) for k, (_, b_, s, e) in enumerate(pieces) if b_ == b]
-            assert info[b][1] == len(mine)
+            first, count = info[b]
+            assert count == (0 if n == 0 else len([1 for b_, s, e in pieces if b_ == b and e > s]))
             if n == 0:
-                assert not mine
                 continue
-            assert [k for k, _, _ in mine] == list(range(info[b][0], info[b][0] + len(mine)))
+            mine = pieces[first:first + count]
+            assert all(b_ == b for b_, _, _ in mine) and first == used
             assert mine[0][1] == 0 and mine[-1][2] == n and all(e == s for (_, _, e), (_, s, _) in zip(mine, mine[1:]))
             assert all(s % 16 == 0 and s < e for _, s, e in mine)
+            used += count
+        assert set(pieces[used:]) <= {(0, 0, 0)}
 
 
 def _triton_flat_plan(lens, num_splits, chunk, max_len=2**30):
@@ -128,44 +135,29 @@ def _triton_flat_plan(lens, num_splits, chunk, max_len=2**30):
     from mla.ops._jit import jit
 
     @jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, MAXP: tl.constexpr, BN: tl.constexpr,
-              BLOCK_B: tl.constexpr):
-        p = tl.program_id(0)
-        lens, chunks, starts, cut, W, pos, hi = split_plan.flat_split(SEQLENS, INFO, B, p, num_splits, max_len, BN,
-                                                                      BLOCK_B)
-        k = 0
-        while pos < hi:
-            b, seqlen, start, end, slot, pos = split_plan.flat_piece(pos, hi, lens, chunks, starts, cut, W, BN,
-                                                                     BLOCK_B)
-            row = OUT + 5 * (p * MAXP + k)
-            tl.store(row, b)
-            tl.store(row + 1, start)
-            tl.store(row + 2, end)
-            tl.store(row + 3, slot)
-            tl.store(row + 4, seqlen)
-            k += 1
+    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+        k = tl.program_id(0)
+        b, seqlen, start, end = split_plan.flat_split(SEQLENS, INFO, B, k, num_splits, max_len, BN, BLOCK_B)
+        tl.store(OUT + 3 * k, b)
+        tl.store(OUT + 3 * k + 1, start)
+        tl.store(OUT + 3 * k + 2, end)
 
-    B, P = len(lens), num_splits * len(lens)
-    maxp = B + 1
-    out = torch.full((P * maxp, 5), -1, dtype=torch.int32)
+    B = len(lens)
+    n = split_plan.flat_programs(num_splits, B)
+    out = torch.full((n, 3), -1, dtype=torch.int32)
     info = torch.full((B, 2), -7, dtype=torch.int32)
-    probe[(P,)](torch.tensor(lens, dtype=torch.int32), info, out, B, num_splits, max_len, MAXP=maxp, BN=chunk,
+    probe[(n,)](torch.tensor(lens, dtype=torch.int32), info, out, B, num_splits, max_len, BN=chunk,
                 BLOCK_B=split_plan.block_b(B))
-    rows = out.view(P, maxp, 5).tolist()
-    got = sorted((r[3], p, r[0], r[1], r[2]) for p in range(P) for r in rows[p] if r[0] >= 0)
-    return got, info.tolist(), {r[0]: r[4] for p in range(P) for r in rows[p] if r[0] >= 0}
+    return [tuple(r) for r in out.tolist()], info.tolist()
 
 
-@pytest.mark.parametrize("lens,num_splits", CASES + [([4096] + [256] * 31, 2), ([0, 0, 5], 2)])
+@pytest.mark.parametrize("lens,num_splits", FLAT_CASES)
 def test_triton_flat_plan_is_the_host_flat_plan_cpu(lens, num_splits):
-    got, info, seqlens = _triton_flat_plan(lens, num_splits, 16)
-    pieces, want_info = split_plan.flat_plan(lens, num_splits, 16)
-    assert got == [(k, p, b, s, e) for k, (p, b, s, e) in enumerate(pieces)]
-    assert info == want_info and all(seqlens[b] == lens[b] for b in seqlens)
+    assert _triton_flat_plan(lens, num_splits, 16) == split_plan.flat_plan(lens, num_splits, 16)
 
 
 @pytest.mark.parametrize("lens,num_splits,max_len", CLAMPED)
 def test_triton_flat_plan_clamps_lengths_cpu(lens, num_splits, max_len):
-    got, info, _ = _triton_flat_plan(lens, num_splits, 16, max_len)
-    pieces, want_info = split_plan.flat_plan([min(max(n, 0), max_len) for n in lens], num_splits, 16)
-    assert got == [(k, p, b, s, e) for k, (p, b, s, e) in enumerate(pieces)] and info == want_info
+    got = _triton_flat_plan(lens, num_splits, 16, max_len)
+    assert got == split_plan.flat_plan([min(max(n, 0), max_len) for n in lens], num_splits, 16)
+

@@ -10,9 +10,9 @@ Schedule (the split count from shapes only, so a step can be captured in a CUDA 
     grid = (ceil(H * s_q / BLOCK_M), num_splits * B)
     program (mb, p):     a run of BLOCK_N-key chunks of one sequence b, shared out by the
                          lengths (read on the device, ``split_plan``: a long sequence
-                         among short ones gets most of the programs); with ``flat``, a run of
-                         the batch's chunks laid end to end, a partial per sequence it
-                         touches (``split_plan.flat_split``). BLOCK_N keys per step:
+                         among short ones gets most of the programs; ``flat``: B - 1 more
+                         programs, each a piece of the batch's chunks laid end to end,
+                         ``split_plan.flat_split``), BLOCK_N keys per step:
         S   = q_nope @ c_kv^T + q_pe @ k_pe^T          # [BLOCK_M, BLOCK_N], fp32
         online softmax (base 2), acc += P @ c_kv         # [BLOCK_M, dv], fp32
         -> partial (out, lse) per program, or the final result when num_splits == 1
@@ -36,7 +36,7 @@ import triton.language as tl
 from .._jit import LOG2E, jit, kv_fmt, num_sms
 from ..latent_rows import finish, latent_tile, query_rows, softmax_step, tile_scores
 from .combine import run_splits
-from .split_plan import block_b, flat_piece, flat_split, planned_split
+from .split_plan import block_b, flat_programs, flat_split, planned_split
 
 __all__ = ["DecodeConfig", "default_config", "launch"]
 
@@ -78,40 +78,18 @@ def _decode_split_kernel(
     dv_ok = dv < DV
     dr_ok = dr < DR
 
+    # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
+    # the lengths are equal), so that they land under its arithmetic; again where it differs
+    guess = tl.minimum(prog // num_splits, B - 1)
     q_row = Q + qi * stride_qi + h * stride_qh
-    if FLAT:   # the flattened plan: a run of chunks over one or more sequences, a partial each
-        lens, chunks, starts, cut, W, pos, hi = flat_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N,
-                                                           BLOCK_B)
-        while pos < hi:
-            b, seqlen, start, end, slot, pos = flat_piece(pos, hi, lens, chunks, starts, cut, W, BLOCK_N, BLOCK_B)
-            q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
-            _attend_store(q_nope, q_pe, KV, BT, O, LSE, b, slot, seqlen, start, end, qi, h, row_ok, dv, dv_ok, dr,
-                          dr_ok, stride_kv_blk, stride_kv_row, stride_bt, stride_os, stride_ob, stride_oi,
-                          stride_oh, stride_ls, stride_lb, stride_li, S_Q, DV, block_size, num_blocks, qk_scale,
-                          v_scale, CAUSAL, IEEE, PAGE_TILE, KV_FMT, KEEP_NAN, BLOCK_M, BLOCK_N, BLOCK_DV)
+    q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
+    tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
+    if FLAT:
+        b, seqlen, start, end = flat_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
     else:
-        # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
-        # the lengths are equal), so that they land under its arithmetic; again where it differs
-        guess = prog // num_splits
-        q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
-        tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
         b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
-        if b != guess:      # mixed lengths
-            q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
-        _attend_store(q_nope, q_pe, KV, BT, O, LSE, b, prog, seqlen, start, end, qi, h, row_ok, dv, dv_ok, dr, dr_ok,
-                      stride_kv_blk, stride_kv_row, stride_bt, stride_os, stride_ob, stride_oi, stride_oh,
-                      stride_ls, stride_lb, stride_li, S_Q, DV, block_size, num_blocks, qk_scale, v_scale, CAUSAL,
-                      IEEE, PAGE_TILE, KV_FMT, KEEP_NAN, BLOCK_M, BLOCK_N, BLOCK_DV)
-
-
-@jit
-def _attend_store(q_nope, q_pe, KV, BT, O, LSE, b, slot, seqlen, start, end, qi, h, row_ok, dv, dv_ok, dr, dr_ok,
-                  stride_kv_blk, stride_kv_row, stride_bt, stride_os, stride_ob, stride_oi, stride_oh,
-                  stride_ls, stride_lb, stride_li, S_Q, DV, block_size, num_blocks, qk_scale, v_scale,
-                  CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr,
-                  KEEP_NAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Keys [start, end) of sequence b (of length seqlen) for the program's query rows, into
-    result slot ``slot`` at (slot, b)."""
+    if b != guess:      # mixed lengths
+        q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
         q_nope = q_nope.to(tl.float16)
         q_pe = q_pe.to(tl.float16)
@@ -140,9 +118,9 @@ def _attend_store(q_nope, q_pe, KV, BT, O, LSE, b, slot, seqlen, start, end, qi,
         m_i, l_i, acc = softmax_step(s, c_kv, visible, qk_scale, m_i, l_i, acc, IEEE)
 
     out, lse = finish(acc, m_i, l_i, v_scale)
-    o_row = O + slot.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
+    o_row = O + prog.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi * stride_oi + h * stride_oh
     tl.store(o_row[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-    l_row = LSE + slot.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
+    l_row = LSE + prog.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + qi * stride_li + h
     tl.store(l_row, lse, mask=row_ok)
 
 
@@ -190,7 +168,8 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
 
     def split_kernel(o_part, l_part, info, S):
-        _decode_split_kernel[(triton.cdiv(H * s_q, cfg.block_m), S * B)](
+        flat = cfg.flat and S > 1
+        _decode_split_kernel[(triton.cdiv(H * s_q, cfg.block_m), flat_programs(S, B) if flat else S * B)](
             q, kv_cache, block_table, cache_seqlens, o_part, l_part, info,
             q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1),
@@ -202,7 +181,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt, KEEP_NAN=fmt != 0 and q.device.type == "cpu",
             PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_B=block_b(B),
-            FLAT=cfg.flat and S > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FLAT=flat, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return run_splits(q, dv, block_table.shape[1] * kv_cache.shape[1], cfg.num_splits, split_kernel, pdl=pdl,
                       flat=cfg.flat)

@@ -29,8 +29,8 @@ from triton.experimental.gluon import language as gl
 
 from .._jit import jit
 
-__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "flat_plan", "flat_split",
-           "flat_piece"]
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "flat_programs", "flat_plan",
+           "flat_split"]
 
 
 @jit
@@ -193,8 +193,8 @@ def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_l
     well in it (the FP8 kernel's 16-byte stores, the seesaw's TMA boxes), as FlashInfer's MLA
     keeps its partials: half the bytes to write and read back (1 KB a query row and split),
     for one more rounding of each split's normalized output (a relative 2^-9 in bf16).
-    flat: the flattened plan's slots (``flat_split``: up to P + B - 1 pieces) with more than
-    one split. Returns (o_part, l_part, info)."""
+    flat: the flattened plan's slots (``flat_programs``: P + B - 1) with more than one split.
+    Returns (o_part, l_part, info)."""
     if part_dtype not in (torch.float32, out.dtype):
         raise ValueError(f"part_dtype: expected float32 or the output's dtype {out.dtype}, got {part_dtype}")
     B = out.shape[0]
@@ -205,7 +205,7 @@ def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_l
     info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
     if num_splits == 1:
         return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info
-    slots = P + B - 1 if flat else P
+    slots = flat_programs(num_splits, B) if flat else P
     o = torch.empty(slots, *out.shape[1:], dtype=part_dtype, device=out.device)
     l_ = torch.empty(slots, *lse.shape[1:], dtype=torch.float32, device=out.device)
     return o.unsqueeze(1).expand(slots, *out.shape), l_.unsqueeze(1).expand(slots, *lse.shape), info
@@ -255,79 +255,87 @@ def plan(lens: list[int], num_splits: int, chunk: int) -> list[tuple[int, int, i
 #
 # The plan above gives every program one run of one sequence, so its busiest program holds T
 # chunks, the least that fits: at mixed lengths more than total / P (B 32, one 4k sequence among
-# 31 of 256 keys, 66 programs: T = 4 chunks, total / P = 2.85). The flattened plan cuts the
-# batch's chunks, laid end to end in sequence order, into P runs of W = ceil(total / P): a
-# program's run may end one sequence and start the next ones, and it writes one partial per
-# sequence it touches (a piece). Pieces are numbered in the order they lie in, so a sequence's
-# pieces are consecutive slots and ``combine`` merges them as it merges runs; there are at most
-# P + B - 1 of them. The slot of the piece that starts at chunk x is the number of cut points
-# before x: the multiples of W below x (ceil(x / W)) and the starts of non-empty sequences below
-# x that are not multiples of W.
+# 31 of 256 keys, 66 programs: T = 4 chunks, total / P = 2.85). The flattened plan lays the
+# batch's chunks end to end in sequence order and cuts them at every multiple of W = ceil(total
+# / P) and at every sequence's start: the pieces, at most P + B - 1, none longer than W. A
+# launch has P + B - 1 programs, program k takes piece k (those past the last piece: nothing)
+# and writes into slot k, so a sequence's pieces are consecutive slots, merged by ``combine``
+# as runs are. The GPU's block scheduler then shares the pieces out over the SMs as they free
+# up. Piece numbers: sequence b (first chunk s_b, c_b chunks) starts at piece ceil(s_b / W) +
+# (the non-empty sequences before it that start off a multiple of W) and has (s_b + c_b - 1) //
+# W - s_b // W + 1 pieces. Equal lengths take the fixed split, as in the plan above (programs
+# P .. P + B - 2 idle).
 
 
-def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[int, int, int, int]], list[list[int]]]:
-    """The flattened plan on the host (the oracle of ``flat_split``): the pieces in slot order,
-    each (program, b, start, end) in keys, and info [B] = [first slot, count] (an empty
-    sequence: count 0 at the slot where it would start)."""
-    B, P = len(lens), num_splits * len(lens)
-    chunks = [-(-n // chunk) for n in lens]
+def flat_programs(num_splits: int, B: int) -> int:
+    """The programs (and result slots) of a launch on the flattened plan: P + B - 1."""
+    return num_splits * B + B - 1
+
+
+def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
+    """The flattened plan on the host (the oracle of ``flat_split``): for each program k of
+    ``flat_programs``, its piece (b, start, end) in keys ((0, 0, 0): none), and info [B] =
+    [first slot, count] (an empty sequence: count 0 at the slot where it would start)."""
+    B = len(lens)
+    P, n = num_splits * B, flat_programs(num_splits, B)
+    if B and min(lens) == max(lens):
+        c = -(-lens[0] // chunk)
+        runs = [(p // num_splits, p % num_splits * c // num_splits * chunk,
+                 min((p % num_splits + 1) * c // num_splits * chunk, lens[0])) for p in range(P)]
+        return runs + [(0, 0, 0)] * (n - P), [[b * num_splits, num_splits] for b in range(B)]
+    chunks = [-(-x // chunk) for x in lens]
     starts = [sum(chunks[:b]) for b in range(B)]
-    total = sum(chunks)
-    W = max(1, -(-total // P)) if P else 1
-    pieces = []
-    for p in range(P):
-        pos, hi = p * W, min((p + 1) * W, total)
-        while pos < hi:
-            b = next(b for b in range(B) if chunks[b] and starts[b] <= pos < starts[b] + chunks[b])
-            e = min(hi, starts[b] + chunks[b])
-            pieces.append((p, b, (pos - starts[b]) * chunk, min((e - starts[b]) * chunk, lens[b])))
+    W = max(1, -(-sum(chunks) // P))
+    pieces, info = [], []
+    for b in range(B):
+        info.append([min(len(pieces), n - 1) if not chunks[b] else len(pieces), 0])
+        pos, end = starts[b], starts[b] + chunks[b]
+        while pos < end:
+            e = min((pos // W + 1) * W, end)
+            pieces.append((b, (pos - starts[b]) * chunk, min((e - starts[b]) * chunk, lens[b])))
+            info[b][1] += 1
             pos = e
-
-    def slot(x):
-        return -(-x // W) + sum(1 for b in range(B) if chunks[b] and starts[b] < x and starts[b] % W)
-    info = [[slot(starts[b]), sum(1 for _, b_, _, _ in pieces if b_ == b)] for b in range(B)]
-    return pieces, info
+    return pieces + [(0, 0, 0)] * (n - len(pieces)), info
 
 
 @jit
-def flat_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The flattened plan (above) for program p, in Triton: writes INFO[b] = (first slot, count)
-    for the sequences whose first chunk lies in p's run (an empty sequence: where it would
-    start; past the last run: the last program) and returns what ``flat_piece`` walks: the
-    lengths (clamped to 0 .. max_len), their chunks and first chunks, W and p's run [lo, hi)."""
+def flat_split(SEQLENS, INFO, B, k, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program k's piece of the flattened plan (above), in Triton: (b, seqlen, start, end) as
+    ``planned_split`` returns them, (0, 0, 0, 0) past the last piece; writes INFO[b] = (first
+    slot, count) for the sequences whose first slot is k (an empty sequence: where it would
+    start, the last program's past the end). Lengths read clamped to 0 .. max_len."""
     i = tl.arange(0, BLOCK_B)
     ok = i < B
     lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
-    chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
-    starts = tl.cumsum(chunks, 0) - chunks
-    total = tl.sum(chunks, 0)
     P = num_splits * B
-    W = tl.maximum((total + P - 1) // P, 1)
-    lo = p * W
-    hi = tl.minimum(lo + W, total)
-    owner = tl.minimum(starts // W, P - 1)
-    cut = ok & (chunks > 0) & (starts % W != 0)
-    # the slot where sequence b starts (the cuts of the sequences before it: a sequence at the
-    # same chunk is empty, no cut) and its pieces: one, plus one a multiple of W inside it
-    cuts = cut.to(tl.int32)
-    first = (starts + W - 1) // W + tl.cumsum(cuts, 0) - cuts
-    count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
-    mine = ok & (owner == p)
-    tl.store(INFO + 2 * i, first, mask=mine)
-    tl.store(INFO + 2 * i + 1, count, mask=mine)
-    return lens, chunks, starts, cut, W, lo, hi
-
-
-@jit
-def flat_piece(pos, hi, lens, chunks, starts, cut, W, BN: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The piece of p's run that starts at chunk pos (lo <= pos < hi, ``flat_split``): its
-    sequence b, b's length, its keys [start, end), its slot and the chunk where the next one
-    starts."""
-    i = tl.arange(0, BLOCK_B)
-    mine = (chunks > 0) & (starts <= pos) & (pos < starts + chunks)
-    b = tl.sum(tl.where(mine, i, 0), 0)
-    seqlen = tl.sum(tl.where(mine, lens, 0), 0)
-    s0 = tl.sum(tl.where(mine, starts, 0), 0)
-    e = tl.minimum(hi, s0 + tl.sum(tl.where(mine, chunks, 0), 0))
-    slot = (pos + W - 1) // W + tl.sum(tl.where(cut & (starts < pos), 1, 0), 0)
-    return b, seqlen, (pos - s0) * BN, tl.minimum((e - s0) * BN, seqlen), slot, e
+    if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
+        # equal lengths: the fixed split, num_splits programs a sequence, the last B - 1 idle
+        b = tl.where(k < P, k // num_splits, 0)
+        j = k % num_splits
+        seqlen = tl.where(k < P, tl.max(lens, 0), 0)
+        c = (seqlen + BN - 1) // BN
+        start = j * c // num_splits * BN
+        end = tl.minimum((j + 1) * c // num_splits * BN, seqlen)
+        tl.store(INFO + 2 * b, k, mask=(j == 0) & (k < P))
+        tl.store(INFO + 2 * b + 1, num_splits, mask=(j == 0) & (k < P))
+    else:
+        chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
+        starts = tl.cumsum(chunks, 0) - chunks
+        W = tl.maximum((tl.sum(chunks, 0) + P - 1) // P, 1)
+        cuts = (ok & (chunks > 0) & (starts % W != 0)).to(tl.int32)
+        first = (starts + W - 1) // W + tl.cumsum(cuts, 0) - cuts
+        count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
+        mine = (chunks > 0) & (first <= k) & (k < first + count)
+        b = tl.sum(tl.where(mine, i, 0), 0)
+        seqlen = tl.sum(tl.where(mine, lens, 0), 0)
+        s0 = tl.sum(tl.where(mine, starts, 0), 0)
+        j = k - tl.sum(tl.where(mine, first, 0), 0)
+        lo = tl.where(j == 0, s0, (s0 // W + j) * W)
+        hi = tl.minimum((s0 // W + j + 1) * W, s0 + tl.sum(tl.where(mine, chunks, 0), 0))
+        start = tl.where(seqlen > 0, (lo - s0) * BN, 0)     # a piece has keys; past the last: none
+        end = tl.minimum((hi - s0) * BN, seqlen)
+        n = P + B - 1
+        at = ok & (tl.minimum(first, n - 1) == k)
+        tl.store(INFO + 2 * i, tl.minimum(first, n - 1), mask=at)
+        tl.store(INFO + 2 * i + 1, count, mask=at)
+    return b, seqlen, start, end
