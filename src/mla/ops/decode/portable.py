@@ -80,7 +80,8 @@ def _decode_split_kernel(
 
     # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
     # the lengths are equal), so that they land under its arithmetic; again where it differs
-    guess = tl.minimum(prog // num_splits, B - 1)
+    # (the flattened plan's last B - 1 programs guess past the batch: clamped)
+    guess = tl.minimum(prog // num_splits, B - 1) if FLAT else prog // num_splits
     q_row = Q + qi * stride_qi + h * stride_qh
     q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
