@@ -13,24 +13,31 @@ CASES = [([300, 5, 0, 1, 17, 64], 1), ([300, 5, 0, 1, 17, 64], 3), ([300, 5, 0, 
 CLAMPED = [([-5, 300, 2**31 - 1, 64], 3, 256), ([-(2**31), -1], 2, 64), ([999, 999], 4, 128)]
 
 
-def _triton_plan(lens, num_splits, chunk, device, max_len=2**30):
+def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
+    """Every program's (b, start, end) from ``planned_split`` (flat: ``flat_split``, over
+    ``flat_programs``), and the info it wrote."""
     import triton.language as tl
 
     from mla.ops._jit import jit
 
     @jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
+              FLAT: tl.constexpr):
         p = tl.program_id(0)
-        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
+        if FLAT:
+            b, seqlen, start, end = split_plan.flat_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
+        else:
+            b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
         tl.store(OUT + 3 * p, b)
         tl.store(OUT + 3 * p + 1, start)
         tl.store(OUT + 3 * p + 2, end)
 
     B = len(lens)
-    out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device=device)
-    info = torch.zeros(B, 2, dtype=torch.int32, device=device)
-    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits, max_len,
-                             BN=chunk, BLOCK_B=split_plan.block_b(B))
+    n = split_plan.flat_programs(num_splits, B) if flat else num_splits * B
+    out = torch.full((n, 3), -1, dtype=torch.int32, device=device)
+    info = torch.full((B, 2), -7, dtype=torch.int32, device=device)
+    probe[(n,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits, max_len,
+                BN=chunk, BLOCK_B=split_plan.block_b(B), FLAT=flat)
     return [tuple(r) for r in out.tolist()], info
 
 
@@ -130,25 +137,8 @@ def test_host_flat_plan_cuts_the_batch_evenly():
 
 
 def _triton_flat_plan(lens, num_splits, chunk, max_len=2**30):
-    import triton.language as tl
-
-    from mla.ops._jit import jit
-
-    @jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
-        k = tl.program_id(0)
-        b, seqlen, start, end = split_plan.flat_split(SEQLENS, INFO, B, k, num_splits, max_len, BN, BLOCK_B)
-        tl.store(OUT + 3 * k, b)
-        tl.store(OUT + 3 * k + 1, start)
-        tl.store(OUT + 3 * k + 2, end)
-
-    B = len(lens)
-    n = split_plan.flat_programs(num_splits, B)
-    out = torch.full((n, 3), -1, dtype=torch.int32)
-    info = torch.full((B, 2), -7, dtype=torch.int32)
-    probe[(n,)](torch.tensor(lens, dtype=torch.int32), info, out, B, num_splits, max_len, BN=chunk,
-                BLOCK_B=split_plan.block_b(B))
-    return [tuple(r) for r in out.tolist()], info.tolist()
+    got, info = _triton_plan(lens, num_splits, chunk, "cpu", max_len, flat=True)
+    return got, info.tolist()
 
 
 @pytest.mark.parametrize("lens,num_splits", FLAT_CASES)
