@@ -288,7 +288,7 @@ def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[
     W = max(1, -(-sum(chunks) // P))
     pieces, info = [], []
     for b in range(B):
-        info.append([min(len(pieces), n - 1) if not chunks[b] else len(pieces), 0])
+        info.append([min(len(pieces), n - 1), 0])     # clamped: an empty sequence past the last
         pos, end = starts[b], starts[b] + chunks[b]
         while pos < end:
             e = min((pos // W + 1) * W, end)
