@@ -105,7 +105,8 @@ def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len):
 
 
 # ---------------------------------------------------------------- the flattened plan
-FLAT_CASES = CASES + [([4096] + [256] * 31, 2), ([1] * 9, 2), ([200, 0, 0, 1], 3), ([0, 0, 5], 2)]
+FLAT_CASES = CASES + [([4096] + [256] * 31, 2), ([1] * 9, 2), ([200, 0, 0, 1], 3), ([0, 0, 5], 2),
+                      (torch.randint(0, 3000, (40,), generator=torch.Generator().manual_seed(5)).tolist(), 3)]
 
 
 def test_host_flat_plan_cuts_the_batch_evenly():
