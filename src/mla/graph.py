@@ -309,7 +309,7 @@ class StepGraph:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            rng = torch.cuda.default_generators[self.cache.device.index or 0]
+            rng = torch.cuda.default_generators[torch.cuda.current_device()]      # the cache's, here
             before = rng.get_state()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
