@@ -188,7 +188,7 @@ def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
 @pytest.mark.parametrize("lens,s_q,splits", [([300, 5, 0, 1, 17, 64], 2, 3), ([130, 20, 20, 20, 2], 1, 2),
                                              ([0, 0, 33], 3, 2), ([64] * 4, 2, 3), ([90], 1, 4)])
 def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
-    """The portable kernel on the flattened plan (``split_plan.flat_split``): a program a piece
+    """The portable kernel on the flattened plan (``split_plan.planned_split(FLAT)``): a program a piece
     of the batch's chunks laid end to end, merged by the combine; empty sequences, rows that
     see nothing (length < s_q), equal lengths and one sequence; the output matches the oracle
     and the plan's info is the host's."""

@@ -14,7 +14,7 @@ CLAMPED = [([-5, 300, 2**31 - 1, 64], 3, 256), ([-(2**31), -1], 2, 64), ([999, 9
 
 
 def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
-    """Every program's (b, start, end) from ``planned_split`` (flat: ``flat_split``, over
+    """Every program's (b, start, end) from ``planned_split`` (flat: its flattened plan, over
     ``flat_programs``), and the info it wrote."""
     import triton.language as tl
 
@@ -24,10 +24,7 @@ def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
     def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
               FLAT: tl.constexpr):
         p = tl.program_id(0)
-        if FLAT:
-            b, seqlen, start, end = split_plan.flat_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
-        else:
-            b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B)
+        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B, FLAT)
         tl.store(OUT + 3 * p, b)
         tl.store(OUT + 3 * p + 1, start)
         tl.store(OUT + 3 * p + 2, end)

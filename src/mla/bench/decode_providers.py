@@ -37,7 +37,7 @@ def decode_variant(name: str, cfg):
     ``default``, or dash-separated changes: ``w8`` warps, ``n32`` keys per tile, ``m32`` query
     rows per program, ``s3`` pipeline stages, ``x2`` / ``h2`` splits times / divided by 2,
     ``g`` gather every row's page (no one-page tile), ``f`` the flattened plan (runs across
-    sequences, ``split_plan.flat_split``). Raises ValueError on an unknown part.
+    sequences, ``split_plan.flat_plan``). Raises ValueError on an unknown part.
     """
     if name == "default":
         return cfg

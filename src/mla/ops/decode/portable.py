@@ -12,7 +12,7 @@ Schedule (the split count from shapes only, so a step can be captured in a CUDA 
                          lengths (read on the device, ``split_plan``: a long sequence
                          among short ones gets most of the programs; ``flat``: B - 1 more
                          programs, each a piece of the batch's chunks laid end to end,
-                         ``split_plan.flat_split``), BLOCK_N keys per step:
+                         ``split_plan.planned_split(FLAT)``), BLOCK_N keys per step:
         S   = q_nope @ c_kv^T + q_pe @ k_pe^T          # [BLOCK_M, BLOCK_N], fp32
         online softmax (base 2), acc += P @ c_kv         # [BLOCK_M, dv], fp32
         -> partial (out, lse) per program, or the final result when num_splits == 1
@@ -36,7 +36,7 @@ import triton.language as tl
 from .._jit import LOG2E, jit, kv_fmt, num_sms
 from ..latent_rows import finish, latent_tile, query_rows, softmax_step, tile_scores
 from .combine import run_splits
-from .split_plan import block_b, flat_programs, flat_split, planned_split
+from .split_plan import block_b, flat_programs, planned_split
 
 __all__ = ["DecodeConfig", "default_config", "launch"]
 
@@ -51,7 +51,7 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int = 1      # programs per sequence along the cache length
     page_tile: bool = True   # when block_size % block_n == 0: one block-table read per tile
-    flat: bool = False       # the flattened plan (``split_plan.flat_split``) when num_splits > 1
+    flat: bool = False       # the flattened plan (``split_plan.flat_plan``) when num_splits > 1
 
 
 @jit
@@ -85,10 +85,7 @@ def _decode_split_kernel(
     q_row = Q + qi * stride_qi + h * stride_qh
     q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
-    if FLAT:
-        b, seqlen, start, end = flat_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
-    else:
-        b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B)
+    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B, FLAT)
     if b != guess:      # mixed lengths
         q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)

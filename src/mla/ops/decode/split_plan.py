@@ -29,16 +29,17 @@ from triton.experimental.gluon import language as gl
 
 from .._jit import jit
 
-__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "flat_programs", "flat_plan",
-           "flat_split"]
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "flat_programs", "flat_plan"]
 
 
 @jit
-def planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+def planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
+                  FLAT: tl.constexpr = False):
     """Program p's share of the batch's keys in whole BN-key chunks: the plan (module docstring)
     in Triton, for the portable kernel. INFO[b] = (first program, count), for ``combine``.
     Lengths are read clamped to 0 .. max_len (the table's capacity). Returns (b, seqlen, start,
-    end)."""
+    end). FLAT: program p's piece of the flattened plan instead (the launch has
+    ``flat_programs`` programs; past the last piece none: b 0, no keys)."""
     i = tl.arange(0, BLOCK_B)
     ok = i < B
     lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
@@ -47,11 +48,19 @@ def planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BL
         b = p // num_splits
         k = p % num_splits
         seqlen = tl.max(lens, 0)
+        lead = k == 0
+        if FLAT:      # the flattened plan's B - 1 programs past them: none
+            live = p < num_splits * B
+            b = tl.where(live, b, 0)
+            seqlen = tl.where(live, seqlen, 0)
+            lead = lead & live
         c = (seqlen + BN - 1) // BN
         start = k * c // num_splits * BN
         end = tl.minimum((k + 1) * c // num_splits * BN, seqlen)
-        tl.store(INFO + 2 * b, p, mask=k == 0)
-        tl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+        tl.store(INFO + 2 * b, p, mask=lead)
+        tl.store(INFO + 2 * b + 1, num_splits, mask=lead)
+    elif FLAT:
+        b, seqlen, start, end = _flat_piece(INFO, B, p, num_splits, i, ok, lens, BN)
     else:
         # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
         chunks = (lens + BN - 1) // BN
@@ -273,7 +282,7 @@ def flat_programs(num_splits: int, B: int) -> int:
 
 
 def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
-    """The flattened plan on the host (the oracle of ``flat_split``): for each program k of
+    """The flattened plan on the host (the oracle of ``planned_split(FLAT)``): for each program k of
     ``flat_programs``, its piece (b, start, end) in keys ((0, 0, 0): none), and info [B] =
     [first slot, count] (an empty sequence: count 0 at the slot where it would start)."""
     B = len(lens)
@@ -299,43 +308,28 @@ def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[
 
 
 @jit
-def flat_split(SEQLENS, INFO, B, k, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program k's piece of the flattened plan (above), in Triton: (b, seqlen, start, end) as
-    ``planned_split`` returns them, (0, 0, 0, 0) past the last piece; writes INFO[b] = (first
-    slot, count) for the sequences whose first slot is k (an empty sequence: where it would
-    start, the last program's past the end). Lengths read clamped to 0 .. max_len."""
-    i = tl.arange(0, BLOCK_B)
-    ok = i < B
-    lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
+def _flat_piece(INFO, B, k, num_splits, i, ok, lens, BN: tl.constexpr):
+    """``planned_split(FLAT)``'s mixed lengths: program k's piece (b, seqlen, start, end),
+    (0, 0, 0, 0) past the last one, and INFO[b] = (first slot, count) for the sequences whose
+    first slot is k (an empty sequence: where it would start, the last program's past the end)."""
     P = num_splits * B
-    if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
-        # equal lengths: the fixed split, num_splits programs a sequence, the last B - 1 idle
-        b = tl.where(k < P, k // num_splits, 0)
-        j = k % num_splits
-        seqlen = tl.where(k < P, tl.max(lens, 0), 0)
-        c = (seqlen + BN - 1) // BN
-        start = j * c // num_splits * BN
-        end = tl.minimum((j + 1) * c // num_splits * BN, seqlen)
-        tl.store(INFO + 2 * b, k, mask=(j == 0) & (k < P))
-        tl.store(INFO + 2 * b + 1, num_splits, mask=(j == 0) & (k < P))
-    else:
-        chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
-        starts = tl.cumsum(chunks, 0) - chunks
-        W = tl.maximum((tl.sum(chunks, 0) + P - 1) // P, 1)
-        cuts = (ok & (chunks > 0) & (starts % W != 0)).to(tl.int32)
-        first = (starts + W - 1) // W + tl.cumsum(cuts, 0) - cuts
-        count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
-        mine = (chunks > 0) & (first <= k) & (k < first + count)
-        b = tl.sum(tl.where(mine, i, 0), 0)
-        seqlen = tl.sum(tl.where(mine, lens, 0), 0)
-        s0 = tl.sum(tl.where(mine, starts, 0), 0)
-        j = k - tl.sum(tl.where(mine, first, 0), 0)
-        lo = tl.where(j == 0, s0, (s0 // W + j) * W)
-        hi = tl.minimum((s0 // W + j + 1) * W, s0 + tl.sum(tl.where(mine, chunks, 0), 0))
-        start = tl.where(seqlen > 0, (lo - s0) * BN, 0)     # a piece has keys; past the last: none
-        end = tl.minimum((hi - s0) * BN, seqlen)
-        n = P + B - 1
-        at = ok & (tl.minimum(first, n - 1) == k)
-        tl.store(INFO + 2 * i, tl.minimum(first, n - 1), mask=at)
-        tl.store(INFO + 2 * i + 1, count, mask=at)
+    chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
+    starts = tl.cumsum(chunks, 0) - chunks
+    W = tl.maximum((tl.sum(chunks, 0) + P - 1) // P, 1)
+    cuts = (ok & (chunks > 0) & (starts % W != 0)).to(tl.int32)
+    first = (starts + W - 1) // W + tl.cumsum(cuts, 0) - cuts
+    count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
+    mine = (chunks > 0) & (first <= k) & (k < first + count)
+    b = tl.sum(tl.where(mine, i, 0), 0)
+    seqlen = tl.sum(tl.where(mine, lens, 0), 0)
+    s0 = tl.sum(tl.where(mine, starts, 0), 0)
+    j = k - tl.sum(tl.where(mine, first, 0), 0)
+    lo = tl.where(j == 0, s0, (s0 // W + j) * W)
+    hi = tl.minimum((s0 // W + j + 1) * W, s0 + tl.sum(tl.where(mine, chunks, 0), 0))
+    start = tl.where(seqlen > 0, (lo - s0) * BN, 0)     # a piece has keys; past the last: none
+    end = tl.minimum((hi - s0) * BN, seqlen)
+    n = P + B - 1
+    at = ok & (tl.minimum(first, n - 1) == k)
+    tl.store(INFO + 2 * i, tl.minimum(first, n - 1), mask=at)
+    tl.store(INFO + 2 * i + 1, count, mask=at)
     return b, seqlen, start, end
