@@ -138,8 +138,6 @@ def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constex
     stage and the buffer, and fences and signals after."""
     BN: gl.constexpr = k_buf.shape[0]
     WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # [32, 64]: 16 bytes of FP8 a thread
-    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
-    full = n0 + BN <= end
     src = k8.index(st)
     if KV_FMT == 2:
         sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
@@ -148,10 +146,14 @@ def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constex
     for g in gl.static_range(4):      # 128 columns (one scale of a tile row) a round: two loads in flight
         x0 = src.slice(g * 128, 64, dim=1).load(WL)
         x1 = src.slice(g * 128 + 64, 64, dim=1).load(WL)
-        _widen_part(x0, k_buf.slice(g * 128, 64, dim=1), keep, full, sc, g, KV_FMT)
-        _widen_part(x1, k_buf.slice(g * 128 + 64, 64, dim=1), keep, full, sc, g, KV_FMT)
-    ype = pe8.index(st).load(WL).to(kpe_buf.dtype)
-    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
+        _widen_part(x0, k_buf.slice(g * 128, 64, dim=1), None, True, sc, g, KV_FMT)
+        _widen_part(x1, k_buf.slice(g * 128 + 64, 64, dim=1), None, True, sc, g, KV_FMT)
+    kpe_buf.store(pe8.index(st).load(WL).to(kpe_buf.dtype))
+    # the tile's rows past end zeroed in a pass of their own (a split's last tile only): a select
+    # per value in the widening kept every converted pair apart as two halves (two byte permutes
+    # a pair, in every tile, sm_90a SASS)
+    if n0 + BN > end:
+        zero_tail(k_buf, kpe_buf, n0, end)
 
 
 @gluon.jit
