@@ -128,30 +128,41 @@ def widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
 
 
 @gluon.jit
-def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
+def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr, TAIL_PASS: gl.constexpr = True):
     """``widen``'s arithmetic for a partition of few registers (the seesaw's producer): FP8
     staging stage st -> k_buf / kpe_buf 128 columns a round, each round's two 64-column parts
     read before either is written (a thread holds 32 FP8 values, not the tile's 144), rows >=
     end zeroed. The compiler puts a barrier between a round's writes and the next round's reads
     (it cannot tell a partition's shared buffers apart): the producer's own four warps, off the
     MMAs' path; on the H200 rounds of 256 columns were no faster. The caller waited for the
-    stage and the buffer, and fences and signals after."""
+    stage and the buffer, and fences and signals after.
+
+    TAIL_PASS: rows past end zeroed in a pass of their own (``zero_tail``, a split's last tile
+    only); else by a select per value in the widening, which keeps every converted pair as two
+    16-bit halves (two byte permutes a pair in every tile, sm_90a SASS). The sparse kernel
+    keeps the select: with the pass, ptxas spilled in one of its computing warpgroups' loops
+    (2 -> 25 spill instructions), though their code is the same."""
     BN: gl.constexpr = k_buf.shape[0]
     WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # [32, 64]: 16 bytes of FP8 a thread
-    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
-    full = n0 + BN <= end
     src = k8.index(st)
     if KV_FMT == 2:
         sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
     else:
         sc = 0.0
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
+    full = TAIL_PASS or n0 + BN <= end
     for g in gl.static_range(4):      # 128 columns (one scale of a tile row) a round: two loads in flight
         x0 = src.slice(g * 128, 64, dim=1).load(WL)
         x1 = src.slice(g * 128 + 64, 64, dim=1).load(WL)
         _widen_part(x0, k_buf.slice(g * 128, 64, dim=1), keep, full, sc, g, KV_FMT)
         _widen_part(x1, k_buf.slice(g * 128 + 64, 64, dim=1), keep, full, sc, g, KV_FMT)
     ype = pe8.index(st).load(WL).to(kpe_buf.dtype)
-    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
+    if TAIL_PASS:
+        kpe_buf.store(ype)
+        if n0 + BN > end:
+            zero_tail(k_buf, kpe_buf, n0, end)
+    else:
+        kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
 
 
 @gluon.jit
