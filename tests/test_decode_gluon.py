@@ -259,13 +259,13 @@ def test_planned_split_skewed_lengths(kernel, H, s_q, kv_fmt):
 def test_programs_idle_past_equal_splits(kernel, H, s_q, kv_fmt):
     """A launch of more programs than equal lengths use (num_splits=(S, eq), ``split_plan``): at
     equal lengths eq programs a sequence, the rest idle, their slots never merged; mixed lengths
-    take all S; and the default grid of a large batch (``launch_splits``: 2 a sequence, 1 used
-    at equal lengths on 132 SMs)."""
+    take all S; and the default grid of a large batch with a table past ``MIXED_GRID_KEYS``
+    (``launch_splits``: at 128 heads on 132 SMs 2 a sequence, 1 used at equal lengths)."""
     check([700] * 5, s_q, H, seed=H + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(3, 1))
     check([4099] * 3, s_q, H, seed=H * 2 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(4, 2))
     check([0] * 4, s_q, H, seed=H * 3 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(2, 1))
     check([1500, 700, s_q, 0, 65], s_q, H, seed=H * 4 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(3, 1))
-    check([1000] * 40, s_q, H, seed=H * 5 + s_q, kv_fmt=kv_fmt, kernel=kernel)
+    check([8500] * 40, s_q, H, seed=H * 5 + s_q, kv_fmt=kv_fmt, kernel=kernel)
 
 
 def test_one_used_split_is_the_single_split():

@@ -96,10 +96,12 @@ def test_plan_refuses_more_equal_splits_than_splits():
 
 
 def test_mixed_splits():
-    # at least 2 programs a sequence from batch 2 (a mixed batch's long sequences shared out),
-    # what equal lengths want where that is more; batch 1 as equal lengths want
-    assert [split_plan.mixed_splits(B, eq) for B, eq in [(1, 1), (1, 5), (2, 1), (128, 1), (32, 2), (8, 9)]] == \
-        [1, 5, 2, 2, 2, 9]
+    # at least 2 programs a sequence from batch 2 at MIXED_GRID_KEYS keys (a mixed batch's long
+    # sequences shared out), what equal lengths want where that is more; batch 1 and shorter
+    # tables as equal lengths want
+    L = split_plan.MIXED_GRID_KEYS
+    cases = [(1, 1, L), (1, 5, L), (2, 1, L), (128, 1, 2 * L), (32, 2, L), (8, 9, L), (128, 1, L - 1), (2, 3, 64)]
+    assert [split_plan.mixed_splits(B, eq, n) for B, eq, n in cases] == [1, 5, 2, 2, 2, 9, 1, 3]
 
 
 def test_host_plan_covers_every_key():

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 
 from .._jit import jit
 
-__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits",
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits", "MIXED_GRID_KEYS",
            "flat_programs", "flat_plan"]
 
 
@@ -230,13 +230,21 @@ def block_b(B: int) -> int:
     return max(16, triton.next_power_of_2(B))
 
 
-def mixed_splits(B: int, eq_splits: int) -> int:
+# the table capacity from which a batch's launch takes at least 2 programs a sequence
+# (``mixed_splits``)
+MIXED_GRID_KEYS = 8192
+
+
+def mixed_splits(B: int, eq_splits: int, max_len: int) -> int:
     """The programs a sequence of a launch (its grid: this times B) whose equal lengths want
-    eq_splits: at least 2 from batch 2, so that a mixed batch can share its long sequences out
-    (the plan idles the programs equal lengths leave over). On the H100 at B 128 (16 and 128
-    heads, lengths to 4k and 16k, one long among short and uniform mixes) 2 splits took
-    0.27-0.98x one split's time; 4, 6 and 8 splits were slower than 2 or within 2% of it."""
-    return eq_splits if B < 2 else max(eq_splits, 2)
+    eq_splits: at least 2 from batch 2 where the table holds ``MIXED_GRID_KEYS`` keys or more,
+    so that a mixed batch can share its long sequences out (the plan idles the programs equal
+    lengths leave over). The extra programs cost about as much as a second split at equal
+    lengths (their start, the partials, the merge). On the H100 at B 128, 2 programs a
+    sequence took, against 1: at 16k keys 0.35-0.83x on one long among short and uniform
+    lengths and 1.03-1.05x at equal lengths; at 4k 0.72-0.98x on the mixes and 1.05-1.13x at
+    equal lengths (16 and 128 heads). 4, 6 and 8 were slower than 2 or within 2% of it."""
+    return eq_splits if B < 2 or max_len < MIXED_GRID_KEYS else max(eq_splits, 2)
 
 
 def plan(lens: list[int], num_splits: int, chunk: int, eq_splits: int | None = None) -> list[tuple[int, int, int]]:

@@ -553,7 +553,7 @@ def launch_splits(B: int, rows: int, max_len: int, device, groups: int = 1) -> t
     of its own), the first ``split_plan.mixed_splits`` of it, so that a mixed batch still
     shares its long sequences out where equal lengths want one program a sequence."""
     eq = default_splits(B * groups, rows, max_len, device)
-    return mixed_splits(B, eq), eq
+    return mixed_splits(B, eq, max_len), eq
 
 
 def descriptors(kv_cache, fmt: int, block_n: int, gdt):
