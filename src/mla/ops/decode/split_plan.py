@@ -240,10 +240,11 @@ def mixed_splits(B: int, eq_splits: int, max_len: int) -> int:
     eq_splits: at least 2 from batch 2 where the table holds ``MIXED_GRID_KEYS`` keys or more,
     so that a mixed batch can share its long sequences out (the plan idles the programs equal
     lengths leave over). The extra programs cost about as much as a second split at equal
-    lengths (their start, the partials, the merge). On the H100 at B 128, 2 programs a
-    sequence took, against 1: at 16k keys 0.35-0.83x on one long among short and uniform
-    lengths and 1.03-1.05x at equal lengths; at 4k 0.72-0.98x on the mixes and 1.05-1.13x at
-    equal lengths (16 and 128 heads). 4, 6 and 8 were slower than 2 or within 2% of it."""
+    lengths (their start, the partials, the merge). On the H100 at B 128 (16 and 128 heads), 2
+    programs a sequence took, against 1: at 16k keys 0.27-0.36x on one long among short,
+    0.83-0.92x on uniform lengths, 1.01-1.09x at equal lengths; at 4k 0.44-0.98x on the mixes
+    (uniform 0.96-0.98x) and 1.04-1.13x at equal lengths. 4, 6 and 8 were slower than 2 or
+    within 2% of it."""
     return eq_splits if B < 2 or max_len < MIXED_GRID_KEYS else max(eq_splits, 2)
 
 
