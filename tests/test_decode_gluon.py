@@ -253,6 +253,30 @@ def test_planned_split_skewed_lengths(kernel, H, s_q, kv_fmt):
     check([1, s_q, 2, 0], s_q, H, seed=H * 5 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=9)
 
 
+@pytest.mark.parametrize("kernel,H,s_q,kv_fmt", [("seesaw", 128, 1, "plain"), ("seesaw", 64, 2, "fp8_tile"),
+                                                 ("seesaw", 7, 2, "fp8"), ("narrow", 16, 1, "plain"),
+                                                 ("fp8reg", 16, 1, "fp8"), ("fp8reg", 32, 1, "fp8_tile")])
+def test_programs_idle_past_equal_splits(kernel, H, s_q, kv_fmt):
+    """A launch of more programs than equal lengths use (num_splits=(S, eq), ``split_plan``): at
+    equal lengths eq programs a sequence, the rest idle, their slots never merged; mixed lengths
+    take all S; and the default grid of a large batch with a table past ``MIXED_GRID_KEYS``
+    (``launch_splits``: at 128 heads on 132 SMs 2 a sequence, 1 used at equal lengths)."""
+    check([700] * 5, s_q, H, seed=H + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(3, 1))
+    check([4099] * 3, s_q, H, seed=H * 2 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(4, 2))
+    check([0] * 4, s_q, H, seed=H * 3 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(2, 1))
+    check([1500, 700, s_q, 0, 65], s_q, H, seed=H * 4 + s_q, kv_fmt=kv_fmt, kernel=kernel, num_splits=(3, 1))
+    check([8500] * 40, s_q, H, seed=H * 5 + s_q, kv_fmt=kv_fmt, kernel=kernel)
+
+
+def test_one_used_split_is_the_single_split():
+    """Equal lengths on one program a sequence of a grid of two write through the partials and
+    the merge of one slot: bit for bit what one split writes straight into out."""
+    q, kv, table, seqlens = make_case([900] * 6, 1, 128, 64, torch.bfloat16, 3)
+    one = dg.launch(q, kv, table, seqlens, DV, 0.07, True, num_splits=1)
+    idle = dg.launch(q, kv, table, seqlens, DV, 0.07, True, num_splits=(2, 1))
+    assert torch.equal(one[0], idle[0]) and torch.equal(one[1], idle[1])
+
+
 @pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (3, 4), (7, 2)])
 def test_fp8_tile_rows_e4m3(H, s_q):
     """FP8 tile rows (a float32 scale per key and 128 values, bf16 k_pe) through the e4m3

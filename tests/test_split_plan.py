@@ -13,7 +13,7 @@ CASES = [([300, 5, 0, 1, 17, 64], 1), ([300, 5, 0, 1, 17, 64], 3), ([300, 5, 0, 
 CLAMPED = [([-5, 300, 2**31 - 1, 64], 3, 256), ([-(2**31), -1], 2, 64), ([999, 999], 4, 128)]
 
 
-def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
+def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False, eq_splits=None):
     """Every program's (b, start, end) from ``planned_split`` (flat: its flattened plan, over
     ``flat_programs``), and the info it wrote."""
     import triton.language as tl
@@ -21,10 +21,11 @@ def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
     from mla.ops._jit import jit
 
     @jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
+    def probe(SEQLENS, INFO, OUT, B, num_splits, eq_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
               FLAT: tl.constexpr):
         p = tl.program_id(0)
-        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN, BLOCK_B, FLAT)
+        b, seqlen, start, end = split_plan.planned_split(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN,
+                                                         BLOCK_B, FLAT)
         tl.store(OUT + 3 * p, b)
         tl.store(OUT + 3 * p + 1, start)
         tl.store(OUT + 3 * p + 2, end)
@@ -33,17 +34,30 @@ def _triton_plan(lens, num_splits, chunk, device, max_len=2**30, flat=False):
     n = split_plan.flat_programs(num_splits, B) if flat else num_splits * B
     out = torch.full((n, 3), -1, dtype=torch.int32, device=device)
     info = torch.full((B, 2), -7, dtype=torch.int32, device=device)
-    probe[(n,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits, max_len,
-                BN=chunk, BLOCK_B=split_plan.block_b(B), FLAT=flat)
+    probe[(n,)](torch.tensor(lens, dtype=torch.int32, device=device), info, out, B, num_splits,
+                num_splits if eq_splits is None else eq_splits, max_len, BN=chunk, BLOCK_B=split_plan.block_b(B),
+                FLAT=flat)
     return [tuple(r) for r in out.tolist()], info
 
 
-def _check_info(plan, info, B):
+def _check_info(plan, info, B, live=None):
+    """info against the plan's first `live` programs (default all: the rest idle)."""
+    plan = plan[:live]
     first = {}
     for p, (b, _, _) in enumerate(plan):
         first.setdefault(b, p)
     count = [sum(1 for b_, _, _ in plan if b_ == b) for b in range(B)]
     assert info.tolist() == [[first[b], count[b]] for b in range(B)]
+
+
+# (lengths, num_splits, eq_splits): programs past eq_splits * B idle at equal lengths; mixed
+# lengths use all num_splits * B (eq_splits does not enter)
+EQ_CASES = [([64] * 5, 4, 1), ([300] * 3, 3, 2), ([0, 0], 2, 1), ([1], 7, 3), ([4096] * 40, 2, 1),
+            ([300, 5, 0, 1, 17, 64], 3, 1), ([4096] + [256] * 31, 2, 1)]
+
+
+def _live(lens, num_splits, eq_splits):
+    return eq_splits * len(lens) if min(lens) == max(lens) else num_splits * len(lens)
 
 
 @pytest.mark.parametrize("lens,num_splits", CASES)
@@ -62,11 +76,38 @@ def test_triton_plan_clamps_lengths_cpu(lens, num_splits, max_len):
     _check_info(want, info, len(lens))
 
 
+@pytest.mark.parametrize("lens,num_splits,eq_splits", EQ_CASES)
+def test_triton_plan_idles_past_equal_splits_cpu(lens, num_splits, eq_splits):
+    got, info = _triton_plan(lens, num_splits, 16, "cpu", eq_splits=eq_splits)
+    want = split_plan.plan(lens, num_splits, 16, eq_splits)
+    live = _live(lens, num_splits, eq_splits)
+    assert got == want and set(want[live:]) <= {(0, 0, 0)} and len(want) == num_splits * len(lens)
+    if min(lens) == max(lens):
+        assert want[:live] == split_plan.plan(lens, eq_splits, 16)
+    else:
+        assert want == split_plan.plan(lens, num_splits, 16)
+    _check_info(want, info, len(lens), live)
+
+
+def test_plan_refuses_more_equal_splits_than_splits():
+    for eq in (0, 4):
+        with pytest.raises(ValueError, match="eq_splits"):
+            split_plan.plan([5, 5], 3, 16, eq)
+
+
+def test_mixed_splits():
+    # at least 2 programs a sequence from batch 2 at MIXED_GRID_KEYS keys (a mixed batch's long
+    # sequences shared out), what equal lengths want where that is more; batch 1 and shorter
+    # tables as equal lengths want
+    L = split_plan.MIXED_GRID_KEYS
+    cases = [(1, 1, L), (1, 5, L), (2, 1, L), (128, 1, 2 * L), (32, 2, L), (8, 9, L), (128, 1, L - 1), (2, 3, 64)]
+    assert [split_plan.mixed_splits(B, eq, n) for B, eq, n in cases] == [1, 5, 2, 2, 2, 9, 1, 3]
+
+
 def test_host_plan_covers_every_key():
     # every sequence's keys are the union of its programs' runs, in order, in whole chunks
-    for lens, S in CASES:
-        runs = split_plan.plan(lens, S, 64)
-        assert len(runs) == S * len(lens)
+    for lens, S, eq in [(n, s, s) for n, s in CASES] + EQ_CASES:
+        runs = split_plan.plan(lens, S, 64, eq)[:_live(lens, S, eq)]
         for b, n in enumerate(lens):
             mine = [(s, e) for b_, s, e in runs if b_ == b]
             assert mine and mine[0][0] == 0 and all(e0 >= s1 for (_, e0), (s1, _) in zip(mine, mine[1:]))
@@ -75,16 +116,18 @@ def test_host_plan_covers_every_key():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("lens,num_splits,max_len", [(n, s, 2**30) for n, s in CASES] + CLAMPED)
-def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len):
+@pytest.mark.parametrize("lens,num_splits,max_len,eq_splits",
+                         [(n, s, 2**30, s) for n, s in CASES] + [(*c, c[1]) for c in CLAMPED]
+                         + [(n, s, 2**30, e) for n, s, e in EQ_CASES])
+def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len, eq_splits):
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     @gluon.jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, max_len, BLOCK_B: gl.constexpr):
+    def probe(SEQLENS, INFO, OUT, B, num_splits, eq_splits, max_len, BLOCK_B: gl.constexpr):
         p = gl.program_id(0)
-        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, max_len, 64,
-                                                                        BLOCK_B)
+        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits,
+                                                                        max_len, 64, BLOCK_B)
         gl.store(OUT + 3 * p, b)
         gl.store(OUT + 3 * p + 1, start)
         gl.store(OUT + 3 * p + 2, end)
@@ -92,12 +135,13 @@ def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len):
     B = len(lens)
     out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device="cuda")
     info = torch.zeros(B, 2, dtype=torch.int32, device="cuda")
-    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits, max_len,
-                             BLOCK_B=split_plan.block_b(B), num_warps=4)
-    want = split_plan.plan([min(max(n, 0), max_len) for n in lens], num_splits, 64)
+    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits,
+                             eq_splits, max_len, BLOCK_B=split_plan.block_b(B), num_warps=4)
+    clamped = [min(max(n, 0), max_len) for n in lens]
+    want = split_plan.plan(clamped, num_splits, 64, eq_splits)
     assert [tuple(r) for r in out.tolist()] == want
-    _check_info(want, info, B)
-    triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda", max_len)
+    _check_info(want, info, B, _live(clamped, num_splits, eq_splits))
+    triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda", max_len, eq_splits=eq_splits)
     assert triton_got == want
 
 

@@ -68,7 +68,8 @@ def compile_gluon(fn, signature: dict, constexprs: dict, aligned=(), num_warps: 
 
 
 _INTS = ["stride_qb", "stride_qi", "stride_qh", "stride_bt", "bt_width", "stride_os", "stride_ob", "stride_oi", "stride_oh",
-         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "B", "block_size", "num_splits"]
+         "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "B", "block_size", "num_splits",
+         "eq_splits"]
 _ALIGNED = ["Q", "BT", "SEQLENS", "O", "LSE", "INFO", "stride_qb", "stride_qi", "stride_qh", "stride_bt", "stride_os",
             "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "block_size"]
 

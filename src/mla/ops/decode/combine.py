@@ -167,22 +167,28 @@ def combine(o_part, l_part, out, lse, info=None, *, pdl: bool = True):
     )
 
 
-def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int, num_splits: int | Callable[[], int],
+def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int,
+               num_splits: int | tuple[int, int] | Callable[[], int | tuple[int, int]],
                launch: Callable, *, part_dtype: torch.dtype = torch.float32, pdl: bool = True, flat: bool = False):
     """The frame of every split-KV decode launch: out [B, s_q, H, head_dim_v] in q's dtype and
     lse [B, s_q, H] float32; for a non-empty batch the plan's result slots
     (``planned_results``, partials in part_dtype; flat: the flattened plan's), ``launch(o_part,
-    l_part, info, num_splits)`` (the split kernel's launch), and, with more than one split,
-    ``combine``. num_splits may be a callable, asked only for a non-empty batch (the default
-    counts read the device). max_len: the block table's capacity. Returns (out, lse)."""
+    l_part, info, num_splits, eq_splits)`` (the split kernel's launch), and, with more than one
+    split, ``combine``. num_splits: the programs a sequence, or (that, the programs a sequence
+    at equal lengths: ``split_plan``), or a callable giving either, asked only for a non-empty
+    batch (the default counts read the device). max_len: the block table's capacity. Returns
+    (out, lse)."""
     B, s_q, H, _ = q.shape
     out = torch.empty(B, s_q, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
     if B == 0 or s_q == 0 or H == 0:
         return out, lse
     S = num_splits() if callable(num_splits) else num_splits
+    S, eq = S if isinstance(S, tuple) else (S, S)
+    if not 1 <= eq <= S:
+        raise ValueError(f"num_splits: expected 1 <= splits at equal lengths <= splits, got {eq} of {S}")
     o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype, flat)
-    launch(o_part, l_part, info, S)
+    launch(o_part, l_part, info, S, eq)
     if S > 1:
         combine(o_part, l_part, out, lse, info, pdl=pdl)
     return out, lse

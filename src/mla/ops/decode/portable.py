@@ -85,7 +85,8 @@ def _decode_split_kernel(
     q_row = Q + qi * stride_qi + h * stride_qh
     q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
-    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, max_len, BLOCK_N, BLOCK_B, FLAT)
+    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, num_splits, max_len, BLOCK_N, BLOCK_B,
+                                          FLAT)
     if b != guess:      # mixed lengths
         q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     if KV_FMT == 1 and not IEEE:   # FP8 rows widen to fp16 in one instruction per pair (bf16: three)
@@ -165,7 +166,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
 
-    def split_kernel(o_part, l_part, info, S):
+    def split_kernel(o_part, l_part, info, S, eq):
         flat = cfg.flat and S > 1
         _decode_split_kernel[(triton.cdiv(H * s_q, cfg.block_m), flat_programs(S, B) if flat else S * B)](
             q, kv_cache, block_table, cache_seqlens, o_part, l_part, info,

@@ -10,8 +10,10 @@ P = B, T is the longest). Sequence b gets max(1, ceil(c_b / T)) programs, the pr
 over go one each to the sequences in turn, and program p takes the k-th of its sequence's
 nearly equal runs of whole chunks. So a long sequence among short ones is spread over many
 SMs, where one program a sequence plus a share of the rest by chunks would leave it about
-twice the ideal work. Equal lengths give num_splits programs a sequence, in order: the grid
-of a fixed split count.
+twice the ideal work. Equal lengths give eq_splits (at most num_splits) programs a sequence, in
+order: the grid of a fixed split count, the programs past eq_splits * B idle. So a launch can
+take more programs than equal lengths want (each split's partials and its program's fixed cost
+are paid only where the plan uses it) and still share out a mixed batch: ``mixed_splits``.
 
 Program p writes its results into slot p (``planned_results``); ``combine`` merges each
 sequence's slots. The rule is written twice, ``planned_split`` in Triton (the portable kernel)
@@ -29,36 +31,35 @@ from triton.experimental.gluon import language as gl
 
 from .._jit import jit
 
-__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "flat_programs", "flat_plan"]
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits", "MIXED_GRID_KEYS",
+           "flat_programs", "flat_plan"]
 
 
 @jit
-def planned_split(SEQLENS, INFO, B, p, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
+def planned_split(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
                   FLAT: tl.constexpr = False):
     """Program p's share of the batch's keys in whole BN-key chunks: the plan (module docstring)
     in Triton, for the portable kernel. INFO[b] = (first program, count), for ``combine``.
     Lengths are read clamped to 0 .. max_len (the table's capacity). Returns (b, seqlen, start,
-    end). FLAT: program p's piece of the flattened plan instead (the launch has
-    ``flat_programs`` programs; past the last piece none: b 0, no keys)."""
+    end); an idle program (equal lengths, p >= eq_splits * B) b 0 and no keys. FLAT: program p's
+    piece of the flattened plan instead (the launch has ``flat_programs`` programs; past the
+    last piece none: b 0, no keys)."""
     i = tl.arange(0, BLOCK_B)
     ok = i < B
     lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
     if tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0):
-        # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
-        b = p // num_splits
-        k = p % num_splits
-        seqlen = tl.max(lens, 0)
-        lead = k == 0
-        if FLAT:      # the flattened plan's B - 1 programs past them: none
-            live = p < num_splits * B
-            b = tl.where(live, b, 0)
-            seqlen = tl.where(live, seqlen, 0)
-            lead = lead & live
+        # equal lengths (the plan below gives the same at eq_splits = num_splits): eq_splits
+        # programs a sequence, in order, the rest idle
+        live = p < eq_splits * B
+        b = tl.where(live, p // eq_splits, 0)
+        k = p % eq_splits
+        seqlen = tl.where(live, tl.max(lens, 0), 0)
+        lead = (k == 0) & live
         c = (seqlen + BN - 1) // BN
-        start = k * c // num_splits * BN
-        end = tl.minimum((k + 1) * c // num_splits * BN, seqlen)
+        start = tl.where(live, k * c // eq_splits * BN, 0)
+        end = tl.minimum((k + 1) * c // eq_splits * BN, seqlen)
         tl.store(INFO + 2 * b, p, mask=lead)
-        tl.store(INFO + 2 * b + 1, num_splits, mask=lead)
+        tl.store(INFO + 2 * b + 1, eq_splits, mask=lead)
     elif FLAT:
         b, seqlen, start, end = _flat_piece(INFO, B, p, num_splits, i, ok, lens, BN)
     else:
@@ -111,7 +112,8 @@ def _plan_layout(BLOCK_B):
 
 
 @gluon.jit
-def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, max_len, BN: gl.constexpr, BLOCK_B: gl.constexpr):
+def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN: gl.constexpr,
+                        BLOCK_B: gl.constexpr):
     """Program p's share of the batch's keys: the plan (module docstring) in Gluon, for the
     Hopper kernels, in 64-key chunks; the program's keys [start, end) are n_tiles tiles of BN
     keys. INFO[b] = (first, count), b's slots, for ``combine`` (written by b's first program).
@@ -128,15 +130,17 @@ def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, max_len, BN: gl.constex
     ok = i < B
     lens = gl.minimum(gl.maximum(gl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
     if gl.min(gl.where(ok, lens, 2147483647), axis=0) == gl.max(lens, axis=0):
-        # equal lengths (the plan below gives the same): num_splits programs a sequence, in order
-        b = p // num_splits
-        k = p % num_splits
-        seqlen = gl.max(lens, axis=0)
+        # equal lengths (the plan below gives the same at eq_splits = num_splits): eq_splits
+        # programs a sequence, in order, the rest idle (b 0, no keys)
+        live = p < eq_splits * B
+        b = gl.where(live, p // eq_splits, 0)
+        k = p % eq_splits
+        seqlen = gl.where(live, gl.max(lens, axis=0), 0)
         c = (seqlen + 63) // 64
-        start = k * c // num_splits * 64
-        end = gl.minimum((k + 1) * c // num_splits * 64, seqlen)
-        gl.store(INFO + 2 * b, p, mask=k == 0)
-        gl.store(INFO + 2 * b + 1, num_splits, mask=k == 0)
+        start = gl.where(live, k * c // eq_splits * 64, 0)
+        end = gl.minimum((k + 1) * c // eq_splits * 64, seqlen)
+        gl.store(INFO + 2 * b, p, mask=(k == 0) & live)
+        gl.store(INFO + 2 * b + 1, eq_splits, mask=(k == 0) & live)
     else:
         # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
         chunks = (lens + 63) // 64
@@ -226,16 +230,39 @@ def block_b(B: int) -> int:
     return max(16, triton.next_power_of_2(B))
 
 
-def plan(lens: list[int], num_splits: int, chunk: int) -> list[tuple[int, int, int]]:
+# the table capacity from which a batch's launch takes at least 2 programs a sequence
+# (``mixed_splits``)
+MIXED_GRID_KEYS = 8192
+
+
+def mixed_splits(B: int, eq_splits: int, max_len: int) -> int:
+    """The programs a sequence of a launch (its grid: this times B) whose equal lengths want
+    eq_splits: at least 2 from batch 2 where the table holds ``MIXED_GRID_KEYS`` keys or more,
+    so that a mixed batch can share its long sequences out (the plan idles the programs equal
+    lengths leave over). The extra programs cost about as much as a second split at equal
+    lengths (their start, the partials, the merge). On the H100 at B 128 (16 and 128 heads), 2
+    programs a sequence took, against 1: at 16k keys 0.27-0.36x on one long among short,
+    0.83-0.92x on uniform lengths, 1.01-1.09x at equal lengths; at 4k 0.44-0.98x on the mixes
+    (uniform 0.96-0.98x) and 1.04-1.13x at equal lengths. 4, 6 and 8 were slower than 2 or
+    within 2% of it."""
+    return eq_splits if B < 2 or max_len < MIXED_GRID_KEYS else max(eq_splits, 2)
+
+
+def plan(lens: list[int], num_splits: int, chunk: int, eq_splits: int | None = None) -> list[tuple[int, int, int]]:
     """The plan on the host: for each program p of P = num_splits * len(lens), its (b, start,
-    end) in keys, with chunks of ``chunk`` keys (the kernels' BN, 64 for the Hopper kernels)."""
+    end) in keys, with chunks of ``chunk`` keys (the kernels' BN, 64 for the Hopper kernels);
+    eq_splits (default num_splits): the programs a sequence at equal lengths, the rest idle
+    ((0, 0, 0))."""
     B, P = len(lens), num_splits * len(lens)
+    eq = num_splits if eq_splits is None else eq_splits
+    if not 1 <= eq <= num_splits:
+        raise ValueError(f"eq_splits: expected 1 .. num_splits ({num_splits}), got {eq_splits}")
     if B == 0:
         return []
     if min(lens) == max(lens):
         c = -(-lens[0] // chunk)
-        return [(p // num_splits, p % num_splits * c // num_splits * chunk,
-                 min((p % num_splits + 1) * c // num_splits * chunk, lens[0])) for p in range(P)]
+        return [(p // eq, p % eq * c // eq * chunk, min((p % eq + 1) * c // eq * chunk, lens[0])) if p < eq * B
+                else (0, 0, 0) for p in range(P)]
     chunks = [-(-n // chunk) for n in lens]
     total = sum(chunks)
     lo = max(-(-total // P), 1)

@@ -2,7 +2,7 @@
 and ``fp8`` have in common.
 
 - input checks and schedule: ``supports`` (the inputs every Hopper kernel takes), the split
-  count ``default_splits``, TMA ``descriptors`` over the cache rows;
+  counts ``default_splits`` and ``launch_splits``, TMA ``descriptors`` over the cache rows;
 - the prologue: ``plan_and_block`` / ``plan_and_query`` (the split plan of ``split_plan`` and
   the first loads issued under its latency), ``ring_barriers``;
 - the loader partition: ``loader`` (TMA copies of key tiles into a ring, one mbarrier a 64-column
@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ..._jit import KERNEL_LOG2E, LN2, LOG2E, kv_fmt, num_sms
-from ..split_plan import planned_split_gluon
+from ..split_plan import mixed_splits, planned_split_gluon
 
 try:
     from triton.experimental.gluon.language import aggregate
@@ -128,34 +128,45 @@ def widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
 
 
 @gluon.jit
-def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
+def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr, TAIL_PASS: gl.constexpr = True):
     """``widen``'s arithmetic for a partition of few registers (the seesaw's producer): FP8
     staging stage st -> k_buf / kpe_buf 128 columns a round, each round's two 64-column parts
     read before either is written (a thread holds 32 FP8 values, not the tile's 144), rows >=
     end zeroed. The compiler puts a barrier between a round's writes and the next round's reads
     (it cannot tell a partition's shared buffers apart): the producer's own four warps, off the
     MMAs' path; on the H200 rounds of 256 columns were no faster. The caller waited for the
-    stage and the buffer, and fences and signals after."""
+    stage and the buffer, and fences and signals after.
+
+    TAIL_PASS: rows past end zeroed in a pass of their own (``zero_tail``, a split's last tile
+    only); else by a select per value in the widening, which keeps every converted pair as two
+    16-bit halves (two byte permutes a pair in every tile, sm_90a SASS). The sparse kernel
+    keeps the select: with the pass, ptxas spilled in one of its computing warpgroups' loops
+    (2 -> 25 spill instructions), though their code is the same."""
     BN: gl.constexpr = k_buf.shape[0]
     WL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])     # [32, 64]: 16 bytes of FP8 a thread
-    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
-    full = n0 + BN <= end
     src = k8.index(st)
     if KV_FMT == 2:
         sc = sc8.index(st).load(WL)                     # [BN, 4]: per row, one scale per 128 values
     else:
         sc = 0.0
+    keep = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL)) < end)[:, None]
+    full = TAIL_PASS or n0 + BN <= end
     for g in gl.static_range(4):      # 128 columns (one scale of a tile row) a round: two loads in flight
         x0 = src.slice(g * 128, 64, dim=1).load(WL)
         x1 = src.slice(g * 128 + 64, 64, dim=1).load(WL)
         _widen_part(x0, k_buf.slice(g * 128, 64, dim=1), keep, full, sc, g, KV_FMT)
         _widen_part(x1, k_buf.slice(g * 128 + 64, 64, dim=1), keep, full, sc, g, KV_FMT)
     ype = pe8.index(st).load(WL).to(kpe_buf.dtype)
-    kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
+    if TAIL_PASS:
+        kpe_buf.store(ype)
+        if n0 + BN > end:
+            zero_tail(k_buf, kpe_buf, n0, end)
+    else:
+        kpe_buf.store(gl.where(keep, ype, gl.zeros_like(ype)))
 
 
 @gluon.jit
-def plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BN: gl.constexpr,
+def plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BN: gl.constexpr,
                     BLOCK_B: gl.constexpr):
     """``planned_split_gluon`` and the cache block of the split's first key (0 when it has no keys),
     which the prologue loads for ``loader`` so that the first tile's copy does not wait on a
@@ -163,11 +174,11 @@ def plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num
     are read as that, so no read leaves the table). Returns (b, seqlen, start, end, n_tiles,
     bt_row, blk0).
 
-    Not loaded ahead for the split of equal lengths: that needs sequence p // num_splits's
+    Not loaded ahead for the split of equal lengths: that needs sequence p // eq_splits's
     length first, and ptxas then waited for it before it sent the lengths' own load (sm_90a
     SASS), which put a second memory latency in front of the plan."""
-    b, seqlen, start, end, n_tiles = planned_split_gluon(SEQLENS, INFO, B, p, num_splits, bt_width * block_size, BN,
-                                                         BLOCK_B)
+    b, seqlen, start, end, n_tiles = planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits,
+                                                         bt_width * block_size, BN, BLOCK_B)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
     return b, seqlen, start, end, n_tiles, bt_row, blk0
@@ -205,22 +216,23 @@ def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr, Q
 
 
 @gluon.jit
-def plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BLOCK_B: gl.constexpr, Q,
-                    stride_qb, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr):
+def plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits,
+                   BLOCK_B: gl.constexpr, Q, stride_qb, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr):
     """``plan_and_block`` (64-key tiles) and the query rows r0 .. r0 + R - 1 of the program's
     sequence (``_query_chunks``, [R, 64] chunks in the prologue's layout). The query's loads go
-    out first, for sequence p // num_splits (the plan's when the lengths are equal), so that
+    out first, for sequence p // eq_splits (the plan's when the lengths are equal; the last
+    sequence for an idle program), so that
     they land under the plan's latency as they did under the length's before; where the plan
     gives another sequence they go out again. Returns (b, seqlen, start, end, n_tiles, bt_row,
     blk0, xq)."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    guess = p // num_splits
+    guess = gl.minimum(p // eq_splits, B - 1)
     xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
     # a barrier, so that the query's loads go out before the plan: without it ptxas put them after
     # the plan's first use of the lengths, behind the lengths' latency (sm_90a SASS)
     gl.thread_barrier()
     b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B,
-                                                                   p, num_splits, 64, BLOCK_B)
+                                                                   p, num_splits, eq_splits, 64, BLOCK_B)
     if b != guess:      # mixed lengths
         xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
     return b, seqlen, start, end, n_tiles, bt_row, blk0, xq
@@ -533,6 +545,15 @@ def default_splits(B: int, rows: int, max_len: int, device, waves: int = 1) -> i
     # what one wave needs
     tiles = max(1, round(max_len / (BLOCK_N * balanced)), triton.cdiv(max_len, BLOCK_N * per_seq))
     return triton.cdiv(max_len, BLOCK_N * tiles)
+
+
+def launch_splits(B: int, rows: int, max_len: int, device, groups: int = 1) -> tuple[int, int]:
+    """(programs a sequence, programs a sequence at equal lengths) of a default launch: the
+    second ``default_splits`` (each of a sequence's ``groups`` row groups counted as a sequence
+    of its own), the first ``split_plan.mixed_splits`` of it, so that a mixed batch still
+    shares its long sequences out where equal lengths want one program a sequence."""
+    eq = default_splits(B * groups, rows, max_len, device)
+    return mixed_splits(B, eq, max_len), eq
 
 
 def descriptors(kv_cache, fmt: int, block_n: int, gdt):

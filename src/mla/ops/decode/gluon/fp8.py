@@ -65,7 +65,7 @@ from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
 from .common import (D_QK, D_V, LOG2E, MAXNREG, IntArg, SplitShare, acc_layout, aggregate, constant, copy_fp8_tile,
-                     default_splits, descriptors, launch_dependents, loader, merge_buffers, merge_weights, pdl_launch,
+                     descriptors, launch_dependents, launch_splits, loader, merge_buffers, merge_weights, pdl_launch,
                      plan_and_query, ring_barriers, send_state, supports, thread_major, wait_prerequisites, zero_tail)
 
 __all__ = ["launch", "takes", "MAX_ROWS"]
@@ -426,7 +426,7 @@ def _fp8_kernel(
     stride_bt, bt_width,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, TILE: gl.constexpr, ROW_GROUPS: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr,
     QPE_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -448,7 +448,7 @@ def _fp8_kernel(
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the query, the lengths, the first tile's block), then the set-up under them
     b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
-        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BLOCK_B, Q, stride_qb, H, S_Q,
         stride_qi, stride_qh, r0, _R)
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
@@ -505,10 +505,12 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-           num_splits: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
+           num_splits: int | tuple[int, int] | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) over FP8 rows (kv_scale
     applies) or FP8 tile rows (their own scales; kv_scale is not used) for H * s_q <= ``MAX_ROWS``
-    (``takes``), 16 query rows a program. No host synchronisation."""
+    (``takes``), 16 query rows a program. No host synchronisation.
+    num_splits: programs a sequence, or (that, programs a sequence at equal lengths: the plan idles the
+    rest, ``split_plan``); default ``common.launch_splits``."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
@@ -523,7 +525,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
 
-    def split_kernel(o_part, l_part, info, S):
+    def split_kernel(o_part, l_part, info, S, eq):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64, gl.float16)
         _fp8_kernel[(S * B * groups,)](
             q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
@@ -531,7 +533,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             block_table.stride(0), block_table.shape[1],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
+            H, s_q, B, block_size, S, eq, softmax_scale * LOG2E * v_scale, v_scale,
             CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups, BLOCK_B=block_b(B),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
             Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
@@ -540,7 +542,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         )
     # each row group as a sequence of its own
     splits = num_splits if num_splits is not None else (
-        lambda: default_splits(B * groups, min(H * s_q, _R.value), max_len, q.device))
+        lambda: launch_splits(B, min(H * s_q, _R.value), max_len, q.device, groups))
     # partials in out's dtype, 16-byte stores a thread (thread-major rows): less to write and
     # read back than float32 ones
     return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype, pdl=pdl)

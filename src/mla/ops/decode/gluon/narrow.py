@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, MAXNREG, SplitShare, acc_layout, aggregate, copy_tile, default_splits,
+from .common import (D_QK, D_V, LOG2E, MAXNREG, SplitShare, acc_layout, aggregate, copy_tile, launch_splits,
                      descriptors, launch_dependents, loader, merge_buffers, merge_weights, pdl_launch, plan_and_query,
                      ring_barriers, send_state, supports, thread_major, wait_prerequisites, widen, zero_tail)
 
@@ -163,7 +163,7 @@ def _narrow_kernel(
     stride_bt, bt_width,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     R: gl.constexpr, CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, NST: gl.constexpr, dtype: gl.constexpr,
     SM_L: gl.constexpr, P_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -177,7 +177,7 @@ def _narrow_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
     # the loads first (the lengths, the query, the first tile's block), then the set-up under them
     b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
-        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, BLOCK_B, Q, stride_qb, H, S_Q,
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BLOCK_B, Q, stride_qb, H, S_Q,
         stride_qi, stride_qh, 0, R)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
@@ -236,9 +236,11 @@ def narrow_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
 
 
 def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-           num_splits: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
+           num_splits: int | tuple[int, int] | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) for H * s_q <= 32 on
-    the inputs ``common.supports`` takes. No host synchronisation."""
+    the inputs ``common.supports`` takes. No host synchronisation.
+    num_splits: programs a sequence, or (that, programs a sequence at equal lengths: the plan idles the
+    rest, ``split_plan``); default ``common.launch_splits``."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, d = q.shape
@@ -255,7 +257,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     # FP8 staging stages of 32 keys: as many as fit in 227 KB next to Q, two 64-key tiles and P^T
     nst = 3 if (fmt == 1 and R == 16) else 2
 
-    def split_kernel(o_part, l_part, info, S):
+    def split_kernel(o_part, l_part, info, S, eq):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
         _narrow_kernel[(S * B,)](
             q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
@@ -263,11 +265,11 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             block_table.stride(0), block_table.shape[1],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
+            H, s_q, B, block_size, S, eq, softmax_scale * LOG2E * v_scale, v_scale,
             R=R, CAUSAL=bool(causal), KV_FMT=fmt, NST=nst, dtype=gdt,
             SM_L=gl.NVMMASharedLayout.get_default_for([64, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, R], gdt), BLOCK_B=block_b(B),
             num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
-    splits = num_splits if num_splits is not None else (lambda: default_splits(B, H * s_q, max_len, q.device))
+    splits = num_splits if num_splits is not None else (lambda: launch_splits(B, H * s_q, max_len, q.device))
     return run_splits(q, D_V, max_len, splits, split_kernel, pdl=pdl)

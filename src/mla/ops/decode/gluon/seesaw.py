@@ -73,7 +73,7 @@ from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
 from .common import (BLOCK_M, D_QK, D_V, LN2, LOG2E, MAXNREG, TILE_LD_L, IntArg, aggregate, constant,
-                     copy_fp8_tile, default_splits, descriptors, key_mask, launch_dependents, loader, pdl_launch,
+                     copy_fp8_tile, descriptors, key_mask, launch_dependents, launch_splits, loader, pdl_launch,
                      plan_and_block, sink_start, supports, wait_gathered, wait_prerequisites, widen_by_parts,
                      zero_tail)
 
@@ -532,7 +532,7 @@ def _seesaw_kernel(
     stride_bt, bt_width,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, B, block_size, num_splits, qk_scale, v_scale,
+    H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, dtype: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr,
     TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -571,7 +571,7 @@ def _seesaw_kernel(
     # kernel before drains
     wait_prerequisites()
     b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size,
-                                                                   B, p, num_splits, BN, BLOCK_B)
+                                                                   B, p, num_splits, eq_splits, BN, BLOCK_B)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
@@ -609,11 +609,13 @@ def default_block_n(B: int, rows: int) -> int:
 
 
 def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-           num_splits: int | None = None, block_n: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
+           num_splits: int | tuple[int, int] | None = None, block_n: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) on the seesaw, for inputs
     ``common.supports`` takes, with an optional explicit split count and tile (``block_n`` keys:
     64 = a ring of two tiles, 32 = a ring of four; default by ``default_block_n``; FP8 rows: 32
-    only). No host synchronisation: splits from ``block_table.shape[1] * block_size``."""
+    only). No host synchronisation: splits from ``block_table.shape[1] * block_size``.
+    num_splits: programs a sequence, or (that, programs a sequence at equal lengths: the plan idles the
+    rest, ``split_plan``); default ``common.launch_splits``."""
     if block_n not in (None, 32, 64):
         raise ValueError(f"block_n: expected 32 or 64, got {block_n!r}")
     if kv_cache.dim() == 4:
@@ -642,7 +644,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     tma_out = rows % BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
 
-    def split_kernel(o_part, l_part, info, S):
+    def split_kernel(o_part, l_part, info, S, eq):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, block_n, gdt)
         o_desc = kv_desc
         if tma_out:
@@ -655,10 +657,10 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             block_table.stride(0), block_table.shape[1],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            H, s_q, B, block_size, S, softmax_scale * LOG2E * v_scale, v_scale,
+            H, s_q, B, block_size, S, eq, softmax_scale * LOG2E * v_scale, v_scale,
             CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
             num_warps=4, maxnreg=MAXNREG, **pdl_launch(rows, pdl),
         )
-    splits = num_splits if num_splits is not None else (lambda: default_splits(B, rows, max_len, q.device))
+    splits = num_splits if num_splits is not None else (lambda: launch_splits(B, rows, max_len, q.device))
     return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl)

@@ -112,7 +112,7 @@ def _gather_producer(st8, k_smem, kpe_smem, kready, empty, KV, PE, SC, stride_ro
         mbarrier.wait(empty.index(2 * b + 1), kph ^ 1)
         async_copy.wait_group(NST - 1)
         gl.thread_barrier()           # every thread's copies of tile j landed
-        widen_by_parts(k8, pe8, sc8, st, k_smem.index(b), kpe_smem.index(b), start + j * BN, end, KV_FMT)
+        widen_by_parts(k8, pe8, sc8, st, k_smem.index(b), kpe_smem.index(b), start + j * BN, end, KV_FMT, False)
         fence_async_shared()
         gl.thread_barrier()           # every thread's part written (and the stage read)
         mbarrier.arrive(kready.index(b), count=1)
