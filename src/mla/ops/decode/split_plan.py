@@ -12,8 +12,8 @@ nearly equal runs of whole chunks. So a long sequence among short ones is spread
 SMs, where one program a sequence plus a share of the rest by chunks would leave it about
 twice the ideal work. Equal lengths give eq_splits (at most num_splits) programs a sequence, in
 order: the grid of a fixed split count, the programs past eq_splits * B idle. So a launch can
-take more programs than equal lengths want (each split's partials and its program's fixed cost
-are paid only where the plan uses it) and still share out a mixed batch: ``mixed_splits``.
+take more programs than equal lengths want and still share out a mixed batch; what the idle
+programs cost equal lengths: ``mixed_splits``.
 
 Program p writes its results into slot p (``planned_results``); ``combine`` merges each
 sequence's slots. The rule is written twice, ``planned_split`` in Triton (the portable kernel)
@@ -31,8 +31,8 @@ from triton.experimental.gluon import language as gl
 
 from .._jit import jit
 
-__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits", "MIXED_GRID_KEYS",
-           "flat_programs", "flat_plan"]
+__all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits",
+           "MIXED_GRID_KEYS", "flat_programs", "flat_plan"]
 
 
 @jit

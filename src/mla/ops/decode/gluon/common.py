@@ -220,11 +220,10 @@ def plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num
                    BLOCK_B: gl.constexpr, Q, stride_qb, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr):
     """``plan_and_block`` (64-key tiles) and the query rows r0 .. r0 + R - 1 of the program's
     sequence (``_query_chunks``, [R, 64] chunks in the prologue's layout). The query's loads go
-    out first, for sequence p // eq_splits (the plan's when the lengths are equal; the last
-    sequence for an idle program), so that
-    they land under the plan's latency as they did under the length's before; where the plan
-    gives another sequence they go out again. Returns (b, seqlen, start, end, n_tiles, bt_row,
-    blk0, xq)."""
+    out first, for sequence p // eq_splits (the plan's when the lengths are equal; the last one
+    for an idle program), so that they land under the plan's latency as they did under the
+    length's before; where the plan gives another sequence they go out again. Returns (b,
+    seqlen, start, end, n_tiles, bt_row, blk0, xq)."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     guess = gl.minimum(p // eq_splits, B - 1)
     xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)

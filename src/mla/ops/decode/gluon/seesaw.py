@@ -609,7 +609,8 @@ def default_block_n(B: int, rows: int) -> int:
 
 
 def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal=True,
-           num_splits: int | tuple[int, int] | None = None, block_n: int | None = None, kv_scale: float = 1.0, *, pdl: bool = True):
+           num_splits: int | tuple[int, int] | None = None, block_n: int | None = None, kv_scale: float = 1.0, *,
+           pdl: bool = True):
     """Absorbed MLA decode (contract of ``mla.ops.reference.mla_decode``) on the seesaw, for inputs
     ``common.supports`` takes, with an optional explicit split count and tile (``block_n`` keys:
     64 = a ring of two tiles, 32 = a ring of four; default by ``default_block_n``; FP8 rows: 32
