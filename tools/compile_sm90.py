@@ -185,11 +185,11 @@ def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True):
     names = list(fn.arg_names)
     ints = ["stride_qb", "stride_qi", "stride_qh", "stride_kv_blk", "stride_kv_row", "stride_bt", "stride_os",
             "stride_ob", "stride_oi", "stride_oh", "stride_ls", "stride_lb", "stride_li", "H", "S_Q", "B", "DV", "DR",
-            "block_size", "num_blocks", "max_len", "num_splits"]
+            "block_size", "num_blocks", "max_len", "num_splits", "eq_splits"]
     q, rows = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8e4nv"), "tile": ("bf16", "u8"),
                "fp32": ("fp32", "fp32")}[kv]
     sig = {n: "constexpr" for n in names}
-    sig.update({k: "i32" for k in ints})
+    sig.update({k: "i32" for k in ints if k in names})      # a tree from before eq_splits lacks it
     sig.update({"Q": "*" + q, "KV": "*" + rows, "BT": "*i32", "SEQLENS": "*i32", "O": "*fp32", "LSE": "*fp32",
                 "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32"})
     cx = dict(CAUSAL=True, IEEE=kv == "fp32", PAGE_TILE=page_tile, KV_FMT={"fp8": 1, "tile": 2}.get(kv, 0),

@@ -62,7 +62,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_os, stride_ob, stride_oi, stride_oh,
     stride_ls, stride_lb, stride_li,
-    H, S_Q, B, DV, DR, block_size, num_blocks, max_len, num_splits, qk_scale, v_scale,
+    H, S_Q, B, DV, DR, block_size, num_blocks, max_len, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_TILE: tl.constexpr, KV_FMT: tl.constexpr, KEEP_NAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_B: tl.constexpr, FLAT: tl.constexpr,
@@ -78,14 +78,14 @@ def _decode_split_kernel(
     dv_ok = dv < DV
     dr_ok = dr < DR
 
-    # the query's loads go out before the plan, for sequence prog // num_splits (the plan's when
+    # the query's loads go out before the plan, for sequence prog // eq_splits (the plan's when
     # the lengths are equal), so that they land under its arithmetic; again where it differs
-    # (the flattened plan's last B - 1 programs guess past the batch: clamped)
-    guess = tl.minimum(prog // num_splits, B - 1) if FLAT else prog // num_splits
+    # (idle programs and the flattened plan's last B - 1 guess past the batch: clamped)
+    guess = tl.minimum(prog // eq_splits, B - 1)
     q_row = Q + qi * stride_qi + h * stride_qh
     q_nope, q_pe = query_rows(q_row + guess.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
     tl.debug_barrier()      # the loads out before the plan (else ptxas puts them after it)
-    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, num_splits, max_len, BLOCK_N, BLOCK_B,
+    b, seqlen, start, end = planned_split(SEQLENS, INFO, B, prog, num_splits, eq_splits, max_len, BLOCK_N, BLOCK_B,
                                           FLAT)
     if b != guess:      # mixed lengths
         q_nope, q_pe = query_rows(q_row + b.to(tl.int64) * stride_qb, row_ok, dv, dv_ok, dr, dr_ok, DV)
@@ -175,7 +175,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             block_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            H, s_q, B, dv, dr, kv_cache.shape[1], kv_cache.shape[0], block_table.shape[1] * kv_cache.shape[1], S,
+            H, s_q, B, dv, dr, kv_cache.shape[1], kv_cache.shape[0], block_table.shape[1] * kv_cache.shape[1], S, eq,
             softmax_scale * LOG2E * (kv_scale if fmt == 1 else 1.0), kv_scale if fmt == 1 else 1.0,
             CAUSAL=causal, IEEE=q.dtype == torch.float32, KV_FMT=fmt, KEEP_NAN=fmt != 0 and q.device.type == "cpu",
             PAGE_TILE=cfg.page_tile and kv_cache.shape[1] % cfg.block_n == 0,
