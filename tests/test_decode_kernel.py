@@ -309,14 +309,18 @@ def test_planned_results_partial_dtypes():
         split_plan.planned_results(out, torch.empty(3, 2, 5), 4, 100, torch.float16)
 
 
-@pytest.mark.parametrize("counts,P", [([300, 300, 300], 900), ([500, 100, 300], 900), ([1, 898, 1], 900), ([3], 8)],
-                         ids=["equal", "mixed", "skewed", "one-short"])
-def test_cpu_planned_combine(counts, P):
+@pytest.mark.parametrize("counts,P,eq", [([300, 300, 300], 900, None), ([500, 100, 300], 900, None),
+                                         ([1, 898, 1], 900, None), ([3], 8, None), ([1, 1, 1], 6, 1),
+                                         ([2, 2, 2], 9, 2), ([2, 2, 2], 9, None)],
+                         ids=["equal", "mixed", "skewed", "one-short", "idle", "idle-2", "idle-unsaid"])
+def test_cpu_planned_combine(counts, P, eq):
     """The combine over the plan's slots (``planned_results``: P slots, sequence b's are info[b,
     0] .. + info[b, 1] - 1): the first round goes out for the slots of equal lengths (300 a
-    sequence here, more than one round of 256), and is summed again where info says otherwise.
-    "one-short": batch 1 (the rounds' loop in one stage) whose plan used 3 of 8 slots, the rest
-    NaN, which must not leak. Against the float64 LSE merge of each sequence's own slots."""
+    sequence here, more than one round of 256; eq: told, as a grid wider than equal lengths use
+    tells it), and is summed again where info says otherwise. "one-short": batch 1 (the rounds'
+    loop in one stage) whose plan used 3 of 8 slots; "idle": equal lengths on fewer slots than
+    the grid's; the slots no sequence has are NaN, which must not leak. Against the float64 LSE
+    merge of each sequence's own slots."""
     B, s_q, H, dv = len(counts), 1, 2, 16
     g = torch.Generator().manual_seed(len(set(counts)))
     o = torch.randn(P, s_q, H, dv, generator=g)
@@ -329,14 +333,20 @@ def test_cpu_planned_combine(counts, P):
     info = torch.stack([first, torch.tensor(counts)], 1).to(torch.int32)
     out = torch.empty(B, s_q, H, dv)
     lse = torch.empty(B, s_q, H)
-    dcombine.combine(o.unsqueeze(1).expand(P, B, s_q, H, dv), ls.unsqueeze(1).expand(P, B, s_q, H), out, lse, info)
+    dcombine.combine(o.unsqueeze(1).expand(P, B, s_q, H, dv), ls.unsqueeze(1).expand(P, B, s_q, H), out, lse, info,
+                     eq_splits=eq)
     for b in range(B):
         sl = slice(int(first[b]), int(first[b]) + counts[b])
         ref_lse = torch.logsumexp(ls[sl].double(), 0)
-        ref = (torch.exp(ls[sl].double() - ref_lse)[..., None] * o[sl].double()).sum(0)
+        # a row whose slots are all empty (likely with one or two slots): out 0, lse -inf
+        none = torch.isinf(ref_lse)
+        w = torch.exp(ls[sl].double() - torch.where(none, 0.0, ref_lse))
+        ref = (w[..., None] * o[sl].double()).sum(0)
         n = counts[b]
+        assert torch.equal(torch.isinf(lse[b]), none) and (out[b][none] == 0).all()
         assert ((out[b].double() - ref).abs() <= 2 * n * 2.0 ** -24 * o[sl].abs().max()).all()
-        assert ((lse[b].double() - ref_lse).abs() <= 2 * n * 2.0 ** -24 * ref_lse.abs().clamp_min(1.0)).all()
+        assert ((lse[b].double() - ref_lse)[~none].abs()
+                <= 2 * n * 2.0 ** -24 * ref_lse[~none].abs().clamp_min(1.0)).all()
 
 
 # ---------------------------------------------------------------- GPU: real shapes

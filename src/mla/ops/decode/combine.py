@@ -136,17 +136,19 @@ def combine_tiles(num_splits: int, rows: int, dv: int, elt: int = 4) -> tuple[in
     return bs, br, bd, max(1, min(4, (bd // (8 * t_d)) * (br // t_r)))
 
 
-def combine(o_part, l_part, out, lse, info=None, *, pdl: bool = True):
+def combine(o_part, l_part, out, lse, info=None, *, eq_splits: int | None = None, pdl: bool = True):
     """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32 or 16-bit, summed in
     float32) and l_part [S, B, s_q, H] (float32) into out [B, s_q, H, dv] and lse [B, s_q, H].
     info (the split kernels' plan, ``planned_results``): [B, 2] int32, sequence b's partials
-    are slots info[b, 0] .. + info[b, 1] - 1 of S = num_splits * B. pdl: on Hopper and later,
-    launch as a programmatic dependent of the split kernel (its programs are placed as that
-    kernel drains and wait for its writes); else plain stream order."""
+    are slots info[b, 0] .. + info[b, 1] - 1 of S = num_splits * B; eq_splits: the slots a
+    sequence of equal lengths has (the first round's guess; default S // B). pdl: on Hopper and
+    later, launch as a programmatic dependent of the split kernel (its programs are placed as
+    that kernel drains and wait for its writes); else plain stream order."""
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")
-    per = S if info is None else S // B     # with info: the slots a sequence of equal lengths has
+    # with info: the slots a sequence of equal lengths has
+    per = S if info is None else eq_splits if eq_splits is not None else S // B
     bs, br, bd, warps = combine_tiles(per, H * s_q, dv, o_part.element_size())
     # the rounds' loop pipelines only for a sequence with more slots than the tile holds: more
     # than 256 equal splits, or mixed lengths (a plan over more than one sequence). Else (batch
@@ -190,5 +192,5 @@ def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int,
     o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype, flat)
     launch(o_part, l_part, info, S, eq)
     if S > 1:
-        combine(o_part, l_part, out, lse, info, pdl=pdl)
+        combine(o_part, l_part, out, lse, info, eq_splits=eq, pdl=pdl)
     return out, lse
