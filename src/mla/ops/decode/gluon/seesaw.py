@@ -534,7 +534,7 @@ def _seesaw_kernel(
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, dtype: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr,
-    TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
+    TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr, DIRECT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4)
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
@@ -570,8 +570,11 @@ def _seesaw_kernel(
     # the barriers above read no memory: under a dependent launch they are set up while the
     # kernel before drains
     wait_prerequisites()
-    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size,
-                                                                   B, p, num_splits, eq_splits, BN, BLOCK_B)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, slot = plan_and_block(
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BN, BLOCK_B, DIRECT)
+    # an idle program writes its own slot, never read (returning here instead spills the
+    # warpgroups' loops: sm_90a, 112 -> 288 bytes of stack)
+    slot = gl.where(slot < 0, p, slot)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
@@ -579,11 +582,11 @@ def _seesaw_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    # the program writes the plan's slot: p, or the output (one split: p is b; DIRECT and alone)
+    o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     wk = SeesawWork(Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh,
-                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc,
-                    p * (H * S_Q) + ml)     # one split: p is b
+                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc, slot * (H * S_Q) + ml)
     if KV_FMT == 0:
         gl.warp_specialize([
             (_wg0, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
@@ -645,11 +648,11 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     tma_out = rows % BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
 
-    def split_kernel(o_part, l_part, info, S, eq):
+    def split_kernel(o_part, l_part, info, S, eq, direct):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, block_n, gdt)
         o_desc = kv_desc
         if tma_out:
-            o_rows = (o_part[0] if S == 1 else o_part[:, 0]).view(-1, D_V)    # [S * B * rows, DV]: program p's at p * rows
+            o_rows = (o_part[0] if S == 1 else o_part[:, 0]).view(-1, D_V)    # [slots * rows, DV]: slot k's at k * rows
             o_desc = TensorDescriptor(o_rows, list(o_rows.shape), [D_V, 1], [BLOCK_M, 64],
                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         _seesaw_kernel[(triton.cdiv(rows, BLOCK_M), S * B)](
@@ -661,7 +664,9 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             H, s_q, B, block_size, S, eq, softmax_scale * LOG2E * v_scale, v_scale,
             CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
+            DIRECT=direct,
             num_warps=4, maxnreg=MAXNREG, **pdl_launch(rows, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: launch_splits(B, rows, max_len, q.device))
-    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl)
+    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl,
+                      direct=True)
