@@ -235,7 +235,7 @@ def _load_qpe(wk, S_L: gl.constexpr, dtype: gl.constexpr):
     rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, QPE_L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, QPE_L))
     ptr = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
-    mask = (rows < wk.H * wk.S_Q)[:, None] & (cols < 64)[None, :]
+    mask = ((rows < wk.H * wk.S_Q) & (wk.n_tiles > 0))[:, None] & (cols < 64)[None, :]
     return gl.load(ptr[:, None] + (512 + cols)[None, :], mask=mask, other=0.0).to(dtype)
 
 
@@ -250,7 +250,8 @@ def _load_q_half(wk, q_smem, q_bar, HALF: gl.constexpr, S_L: gl.constexpr):
     rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
     cl = gl.arange(0, 64, layout=gl.SliceLayout(0, LD_L))
     qrow = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
-    qmask = (rows < wk.H * wk.S_Q)[:, None] & (cl < 64)[None, :]
+    # a program without keys (an idle one, an empty sequence) reads no query: its result is 0
+    qmask = ((rows < wk.H * wk.S_Q) & (wk.n_tiles > 0))[:, None] & (cl < 64)[None, :]
     ptr = qrow[:, None] + (HALF * 256 + cl)[None, :]
     xs = (gl.load(ptr, mask=qmask, other=0.0), gl.load(ptr + 64, mask=qmask, other=0.0),
           gl.load(ptr + 128, mask=qmask, other=0.0), gl.load(ptr + 192, mask=qmask, other=0.0))
