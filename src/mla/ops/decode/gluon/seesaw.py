@@ -141,7 +141,7 @@ class SeesawWork:
     qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
     v_scale: IntArg             # kv_scale for FP8 rows (the output's), else 1
     o_desc: tensor_descriptor   # out's TMA descriptor (TMA_OUT), and the program's first row there
-    o_row0: gl.tensor
+    o_row0: gl.tensor           # (negative: an idle program, which stores nothing)
 
     @gluon.constexpr_function
     def __init__(self, Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi,
@@ -287,6 +287,9 @@ def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_O
     empty = l_tot == 0.0
     inv = wk.v_scale / gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(inv, gl.SliceLayout(1, ACC_L))[:, None]
+    # an idle program's slot is -1: its rows lie before the tensor, where TMA stores nothing
+    # (a branch around the copies spilled the warpgroups' loops, 112 -> 272 bytes of stack)
+    live = wk.o_row0 >= 0
     if TMA_OUT:
         q_smem.slice(col0, 256, dim=1).store(out.to(q_smem.dtype))
         fence_async_shared()
@@ -299,11 +302,12 @@ def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_O
         do = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC_L))
         o_row = wk.O + wk.o_base + (mo // wk.H) * wk.stride_oi + (mo % wk.H) * wk.stride_oh + col0
         gl.store(o_row[:, None] + do[None, :], out.to(wk.O.dtype.element_ty),
-                 mask=(mo < wk.H * wk.S_Q)[:, None] & (do < 256)[None, :])
+                 mask=((mo < wk.H * wk.S_Q) & live)[:, None] & (do < 256)[None, :])
     if WRITE_LSE:
         ms = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_tot))) * LN2)
-        gl.store(wk.LSE + wk.l_base + (ms // wk.H) * wk.stride_li + ms % wk.H, lse, mask=ms < wk.H * wk.S_Q)
+        gl.store(wk.LSE + wk.l_base + (ms // wk.H) * wk.stride_li + ms % wk.H, lse,
+                 mask=(ms < wk.H * wk.S_Q) & live)
 
 
 @gluon.jit
@@ -573,9 +577,9 @@ def _seesaw_kernel(
     wait_prerequisites()
     b, seqlen, start, end, n_tiles, bt_row, blk0, slot = plan_and_block(
         SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BN, BLOCK_B, DIRECT)
-    # an idle program writes its own slot, never read (returning here instead spills the
-    # warpgroups' loops: sm_90a, 112 -> 288 bytes of stack)
-    slot = gl.where(slot < 0, p, slot)
+    # an idle program (slot -1) goes through the partitions with no keys and no query, and
+    # stores nothing (``_store_out``): returning here instead spilled the warpgroups' loops
+    # (sm_90a, 112 -> 288 bytes of stack)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
