@@ -452,8 +452,8 @@ CASES = {
     "decode/seesaw-fp8tile-h128-s1-nopdl": P(decode, "seesaw", kv="fp8_tile", H=128, s_q=1, pdl=False),
     "decode/seesaw-fp8tile-h3-s2-1split": P(decode, "seesaw", kv="fp8_tile", H=3, s_q=2, splits=1),
     "decode/seesaw-bf16-empty": P(decode, "seesaw", H=16, lens=EMPTY),
-    # a grid wider than equal lengths use (idle programs store nothing: TMA rows before the
-    # tensor, masked stores) and sequences of one program writing the output themselves
+    # a grid wider than equal lengths use (idle programs store nothing: TMA rows past the
+    # tensor's end, masked stores) and sequences of one program writing the output themselves
     "decode/seesaw-bf16-h128-idle": P(decode, "seesaw", H=128, s_q=1, lens=[130] * 3, splits=(3, 1)),
     "decode/seesaw-fp8-h128-idle": P(decode, "seesaw", kv="fp8", H=128, s_q=1, lens=[130] * 3, splits=(2, 1)),
     "decode/seesaw-bf16-h128-direct-mixed": P(decode, "seesaw", H=128, s_q=1, lens=[300, 1, 0, 64], splits=(3, 1)),

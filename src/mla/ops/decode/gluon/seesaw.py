@@ -82,6 +82,10 @@ __all__ = ["launch", "default_block_n", "SeesawSmem", "SeesawWork", "seesaw_buff
 # a warpgroup's layouts: S [64, BN] and its half of O [64, 256] as wgmma accumulators
 _ACC_L = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
 
+# an idle program's first output row: past the last row of any output TMA stores to (checked in
+# ``launch``), so that its boxes lie wholly outside the tensor
+IDLE_ROW = gl.constexpr(1 << 30)
+
 # Registers (``common.MAXNREG``): warp_specialize resizes the worker partitions to these counts,
 # WG1's first, then the loader's or the producer's, and WG0, the default partition, takes what
 # they free. The TMA loader only issues copies and waits: 24, and WG1 holds
@@ -141,7 +145,7 @@ class SeesawWork:
     qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
     v_scale: IntArg             # kv_scale for FP8 rows (the output's), else 1
     o_desc: tensor_descriptor   # out's TMA descriptor (TMA_OUT), and the program's first row there
-    o_row0: gl.tensor           # (negative: an idle program, which stores nothing)
+    o_row0: gl.tensor           # (IDLE_ROW: an idle program, which stores nothing)
 
     @gluon.constexpr_function
     def __init__(self, Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi,
@@ -287,9 +291,11 @@ def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_O
     empty = l_tot == 0.0
     inv = wk.v_scale / gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(inv, gl.SliceLayout(1, ACC_L))[:, None]
-    # an idle program's slot is -1: its rows lie before the tensor, where TMA stores nothing
-    # (a branch around the copies spilled the warpgroups' loops, 112 -> 272 bytes of stack)
-    live = wk.o_row0 >= 0
+    # an idle program's rows start at IDLE_ROW, past the end of any output, where TMA stores
+    # nothing (a branch around the copies spilled the warpgroups' loops, 112 -> 272 bytes of
+    # stack; rows before the tensor, a negative coordinate, stopped the H100 on an illegal
+    # instruction)
+    live = wk.o_row0 < IDLE_ROW
     if TMA_OUT:
         q_smem.slice(col0, 256, dim=1).store(out.to(q_smem.dtype))
         fence_async_shared()
@@ -591,7 +597,8 @@ def _seesaw_kernel(
     o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     wk = SeesawWork(Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh,
-                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc, slot * (H * S_Q) + ml)
+                    stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc,
+                    gl.where(slot < 0, IDLE_ROW, slot * (H * S_Q) + ml))
     if KV_FMT == 0:
         gl.warp_specialize([
             (_wg0, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
@@ -658,6 +665,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         o_desc = kv_desc
         if tma_out:
             o_rows = (o_part[0] if S == 1 else o_part[:, 0]).view(-1, D_V)    # [slots * rows, DV]: slot k's at k * rows
+            assert o_rows.shape[0] + BLOCK_M <= IDLE_ROW, "the output's rows reach IDLE_ROW"
             o_desc = TensorDescriptor(o_rows, list(o_rows.shape), [D_V, 1], [BLOCK_M, 64],
                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         _seesaw_kernel[(triton.cdiv(rows, BLOCK_M), S * B)](
