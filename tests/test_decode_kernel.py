@@ -512,16 +512,17 @@ def test_gluon_split_rule_on_132_sms(monkeypatch):
 
 def test_gluon_launch_splits_on_132_sms(monkeypatch):
     # host-only: a default launch's (programs a sequence, programs a sequence at equal lengths):
-    # at least 2 from batch 2 with a table of 8192 keys or more, so that a mixed batch shares its
+    # at least 2 from batch 2 with a table of 4096 keys or more, so that a mixed batch shares its
     # long sequences out, where equal lengths want one; a sequence's row groups count as
     # sequences for the equal-length count
     from mla.ops.decode.gluon import common as dg
 
     monkeypatch.setattr(dg, "num_sms", lambda index: 132)
     dev = torch.device("cuda", 0)
-    cases = {(128, 128, 16384, 1): (2, 1), (128, 128, 4096, 1): (1, 1), (32, 128, 4096, 1): (2, 2),
-             (1, 128, 4096, 1): (32, 32), (32, 16, 1024, 1): (4, 4), (64, 16, 8192, 2): (2, 1),
-             (64, 16, 4096, 2): (1, 1), (1, 16, 4096, 2): (64, 64)}
+    cases = {(128, 128, 16384, 1): (2, 1), (128, 128, 4096, 1): (2, 1), (128, 128, 4095, 1): (1, 1),
+             (32, 128, 4096, 1): (2, 2), (1, 128, 4096, 1): (32, 32), (32, 16, 1024, 1): (4, 4),
+             (64, 16, 8192, 2): (2, 1), (64, 16, 4096, 2): (2, 1), (64, 16, 2048, 2): (1, 1),
+             (1, 16, 4096, 2): (64, 64)}
     for (B, rows, L, groups), want in cases.items():
         assert dg.launch_splits(B, rows, L, dev, groups) == want, (B, rows, L, groups)
         assert want[1] == dg.default_splits(B * groups, rows, L, dev)

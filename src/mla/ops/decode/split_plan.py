@@ -246,19 +246,18 @@ def block_b(B: int) -> int:
 
 # the table capacity from which a batch's launch takes at least 2 programs a sequence
 # (``mixed_splits``)
-MIXED_GRID_KEYS = 8192
+MIXED_GRID_KEYS = 4096
 
 
 def mixed_splits(B: int, eq_splits: int, max_len: int) -> int:
     """The programs a sequence of a launch (its grid: this times B) whose equal lengths want
     eq_splits: at least 2 from batch 2 where the table holds ``MIXED_GRID_KEYS`` keys or more,
     so that a mixed batch can share its long sequences out (the plan idles the programs equal
-    lengths leave over). The extra programs cost about as much as a second split at equal
-    lengths (their start, the partials, the merge). On the H100 at B 128 (16 and 128 heads), 2
-    programs a sequence took, against 1: at 16k keys 0.27-0.36x on one long among short,
-    0.83-0.92x on uniform lengths, 1.01-1.09x at equal lengths; at 4k 0.44-0.98x on the mixes
-    (uniform 0.96-0.98x) and 1.04-1.13x at equal lengths. 4, 6 and 8 were slower than 2 or
-    within 2% of it."""
+    lengths leave over, and a sequence's only program writes the output itself). On the H100
+    at B 128, 2 programs a sequence (1 used at equal lengths) took, against 1, at 128 / 16
+    heads: 4k keys 1.02 / 1.02x at equal lengths, 0.93 / 0.99x on uniform lengths, 0.77 /
+    0.46x on one long among short; 16k 1.05 / 1.01x, 0.79 / 0.92x, 0.36 / 0.27x. 4, 6 and 8
+    were slower than 2 or within 2% of it."""
     return eq_splits if B < 2 or max_len < MIXED_GRID_KEYS else max(eq_splits, 2)
 
 
