@@ -349,6 +349,54 @@ def test_cpu_planned_combine(counts, P, eq):
                 <= 2 * n * 2.0 ** -24 * ref_lse[~none].abs().clamp_min(1.0)).all()
 
 
+def test_planned_results_direct():
+    """planned_results(direct=True): B slots past the plan's P, slot P + b laid out as out[b]
+    (a sequence's only program writes its result there); refused for float32 partials of a
+    16-bit output and for the flattened plan, before anything is allocated."""
+    out, lse = torch.empty(3, 2, 5, 8, dtype=torch.bfloat16), torch.empty(3, 2, 5)
+    o, l_, _ = split_plan.planned_results(out, lse, 2, 100, torch.bfloat16, direct=True)
+    assert o.shape == (9, 3, 2, 5, 8) and l_.shape == (9, 3, 2, 5) and o[:, 0].is_contiguous()
+    assert o[6:, 0].shape == out.shape and o[6:, 0].is_contiguous() and l_[6:, 0].is_contiguous()
+    for kw in ({"part_dtype": torch.float32}, {"part_dtype": torch.bfloat16, "flat": True}):
+        with pytest.raises(ValueError, match="direct"):
+            split_plan.planned_results(out, lse, 2, 100, direct=True, **kw)
+
+
+@pytest.mark.parametrize("eq_splits", [None, 1, 2])
+def test_cpu_combine_leaves_single_slots(eq_splits):
+    """combine(skip_single=True) over the slots of ``planned_results(direct=True)``: a sequence of
+    one slot keeps what its program wrote into out (here a sentinel, NaN in its plan slot), the
+    others are merged from their slots; eq_splits (the guess of the first round) changes
+    nothing but the loads."""
+    counts, P, s_q, H, dv = [1, 3, 1, 2, 1], 8, 2, 3, 16
+    B = len(counts)
+    g = torch.Generator().manual_seed(11)
+    o = torch.randn(P + B, s_q, H, dv, generator=g)
+    ls = torch.randn(P + B, s_q, H, generator=g) * 4
+    first = torch.tensor([0, *counts[:-1]]).cumsum(0)
+    for b, n in enumerate(counts):
+        if n == 1:      # never written by the kernel: its only program wrote slot P + b
+            o[first[b]] = float("nan")
+            ls[first[b]] = float("nan")
+    out, lse = o[P:], ls[P:]
+    sentinel_o, sentinel_l = out.clone(), lse.clone()
+    info = torch.stack([first, torch.tensor(counts)], 1).to(torch.int32)
+    dcombine.combine(o.unsqueeze(1).expand(P + B, B, s_q, H, dv), ls.unsqueeze(1).expand(P + B, B, s_q, H), out, lse,
+                     info, eq_splits=eq_splits, skip_single=True)
+    for b, n in enumerate(counts):
+        if n == 1:
+            assert torch.equal(out[b], sentinel_o[b]) and torch.equal(lse[b], sentinel_l[b])
+            continue
+        sl = slice(int(first[b]), int(first[b]) + n)
+        ref_lse = torch.logsumexp(ls[sl].double(), 0)
+        ref = (torch.exp(ls[sl].double() - ref_lse)[..., None] * o[sl].double()).sum(0)
+        assert ((out[b].double() - ref).abs() <= 2 * n * 2.0 ** -24 * o[sl].abs().max()).all()
+        assert ((lse[b].double() - ref_lse).abs() <= 2 * n * 2.0 ** -24 * ref_lse.abs().clamp_min(1.0)).all()
+    with pytest.raises(ValueError, match="skip_single"):
+        dcombine.combine(o[:P].unsqueeze(1).expand(P, B, s_q, H, dv), ls[:P].unsqueeze(1).expand(P, B, s_q, H),
+                         torch.empty_like(out), torch.empty_like(lse), skip_single=True)
+
+
 # ---------------------------------------------------------------- GPU: real shapes
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
@@ -464,16 +512,17 @@ def test_gluon_split_rule_on_132_sms(monkeypatch):
 
 def test_gluon_launch_splits_on_132_sms(monkeypatch):
     # host-only: a default launch's (programs a sequence, programs a sequence at equal lengths):
-    # at least 2 from batch 2 with a table of 8192 keys or more, so that a mixed batch shares its
+    # at least 2 from batch 2 with a table of 4096 keys or more, so that a mixed batch shares its
     # long sequences out, where equal lengths want one; a sequence's row groups count as
     # sequences for the equal-length count
     from mla.ops.decode.gluon import common as dg
 
     monkeypatch.setattr(dg, "num_sms", lambda index: 132)
     dev = torch.device("cuda", 0)
-    cases = {(128, 128, 16384, 1): (2, 1), (128, 128, 4096, 1): (1, 1), (32, 128, 4096, 1): (2, 2),
-             (1, 128, 4096, 1): (32, 32), (32, 16, 1024, 1): (4, 4), (64, 16, 8192, 2): (2, 1),
-             (64, 16, 4096, 2): (1, 1), (1, 16, 4096, 2): (64, 64)}
+    cases = {(128, 128, 16384, 1): (2, 1), (128, 128, 4096, 1): (2, 1), (128, 128, 4095, 1): (1, 1),
+             (32, 128, 4096, 1): (2, 2), (1, 128, 4096, 1): (32, 32), (32, 16, 1024, 1): (4, 4),
+             (64, 16, 8192, 2): (2, 1), (64, 16, 4096, 2): (2, 1), (64, 16, 2048, 2): (1, 1),
+             (1, 16, 4096, 2): (64, 64)}
     for (B, rows, L, groups), want in cases.items():
         assert dg.launch_splits(B, rows, L, dev, groups) == want, (B, rows, L, groups)
         assert want[1] == dg.default_splits(B * groups, rows, L, dev)

@@ -124,23 +124,34 @@ def test_gluon_plan_is_the_host_plan(lens, num_splits, max_len, eq_splits):
     from triton.experimental.gluon import language as gl
 
     @gluon.jit
-    def probe(SEQLENS, INFO, OUT, B, num_splits, eq_splits, max_len, BLOCK_B: gl.constexpr):
+    def probe(SEQLENS, INFO, OUT, SLOT, B, num_splits, eq_splits, max_len, BLOCK_B: gl.constexpr,
+              DIRECT: gl.constexpr):
         p = gl.program_id(0)
-        b, seqlen, start, end, n_tiles = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits,
-                                                                        max_len, 64, BLOCK_B)
+        b, seqlen, start, end, n_tiles, slot = split_plan.planned_split_gluon(SEQLENS, INFO, B, p, num_splits,
+                                                                              eq_splits, max_len, 64, BLOCK_B, DIRECT)
         gl.store(OUT + 3 * p, b)
         gl.store(OUT + 3 * p + 1, start)
         gl.store(OUT + 3 * p + 2, end)
+        gl.store(SLOT + p, slot)
 
     B = len(lens)
-    out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device="cuda")
-    info = torch.zeros(B, 2, dtype=torch.int32, device="cuda")
-    probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, B, num_splits,
-                             eq_splits, max_len, BLOCK_B=split_plan.block_b(B), num_warps=4)
     clamped = [min(max(n, 0), max_len) for n in lens]
     want = split_plan.plan(clamped, num_splits, 64, eq_splits)
-    assert [tuple(r) for r in out.tolist()] == want
-    _check_info(want, info, B, _live(clamped, num_splits, eq_splits))
+    live = _live(clamped, num_splits, eq_splits)
+    count = [sum(1 for b_, _, _ in want[:live] if b_ == b) for b in range(B)]
+    for direct in (False, True):
+        out = torch.zeros(num_splits * B, 3, dtype=torch.int32, device="cuda")
+        slots = torch.zeros(num_splits * B, dtype=torch.int32, device="cuda")
+        info = torch.zeros(B, 2, dtype=torch.int32, device="cuda")
+        probe[(num_splits * B,)](torch.tensor(lens, dtype=torch.int32, device="cuda"), info, out, slots, B,
+                                 num_splits, eq_splits, max_len, BLOCK_B=split_plan.block_b(B), DIRECT=direct,
+                                 num_warps=4)
+        assert [tuple(r) for r in out.tolist()] == want
+        _check_info(want, info, B, live)
+        # the slot each program writes: its own, none when idle, the output's (P + b) when it is its
+        # sequence's only program and the launch is direct
+        assert slots.tolist() == [-1 if p >= live else num_splits * B + b if direct and count[b] == 1 else p
+                                  for p, (b, _, _) in enumerate(want)]
     triton_got, _ = _triton_plan(lens, num_splits, 64, "cuda", max_len, eq_splits=eq_splits)
     assert triton_got == want
 

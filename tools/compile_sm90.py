@@ -102,9 +102,10 @@ def _bf16_sig(extra: dict, o_type: str) -> dict:
             **{k: "i32" for k in _INTS}, **extra}
 
 
-def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
+def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS, direct: bool = False):
     """the seesaw Gluon kernel (or that of another module with the same kernel, e.g. from another tree) on
-    bf16 rows, 64-key tiles, 128 heads, the partials of --partials (bf16: by TMA, as launched)."""
+    bf16 rows, 64-key tiles, 128 heads, the partials of --partials (bf16: by TMA, as launched); direct:
+    a sequence's only program writes the output (``split_plan.planned_results(direct=True)``)."""
     if m is None:
         from mla.ops.decode.gluon import seesaw as m
     bf16_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -112,7 +113,7 @@ def seesaw_kernel(m=None, block_b: int = BLOCK_B, partials: str = PARTIALS):
     sig = _bf16_sig({"o_desc": f"tensordesc<bf16[64, 64],{bf16_l!r}>"}, o_type)
     # 16-bit partials go out by TMA (launch_gluon), float32 ones from registers
     cx = {"CAUSAL": True, "KV_FMT": 0, "dtype": gl.bfloat16, "SM_L": bf16_l, "P_SM": bf16_l, "TMA_OUT": o_type != "*fp32",
-          "BLOCK_B": block_b, "num_warps": 4}
+          "BLOCK_B": block_b, "num_warps": 4, **({"DIRECT": True} if direct else {})}
     return compile_gluon(m._seesaw_kernel, sig, cx, _ALIGNED, maxnreg=168)
 
 
@@ -204,6 +205,7 @@ KERNELS = {
     "fp8tile": lambda a: fp8_kernel(tile=True, block_b=a.block_b, partials=a.partials),
     "seesaw": lambda a: seesaw_kernel(block_b=a.block_b, partials=a.partials),
     "seesaw-f32": lambda a: seesaw_kernel(block_b=a.block_b, partials="fp32"),     # float32 partials, from registers
+    "seesaw-direct": lambda a: seesaw_kernel(block_b=a.block_b, direct=True),
     "seesaw-fp8": lambda a: seesaw_fp8_kernel(block_b=a.block_b),
     "seesaw-fp8tile": lambda a: seesaw_fp8_kernel(tile=True, block_b=a.block_b),
     "narrow": lambda a: narrow_kernel(block_b=a.block_b),

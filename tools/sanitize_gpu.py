@@ -452,6 +452,11 @@ CASES = {
     "decode/seesaw-fp8tile-h128-s1-nopdl": P(decode, "seesaw", kv="fp8_tile", H=128, s_q=1, pdl=False),
     "decode/seesaw-fp8tile-h3-s2-1split": P(decode, "seesaw", kv="fp8_tile", H=3, s_q=2, splits=1),
     "decode/seesaw-bf16-empty": P(decode, "seesaw", H=16, lens=EMPTY),
+    # a grid wider than equal lengths use (idle programs store nothing: TMA rows past the
+    # tensor's end, masked stores) and sequences of one program writing the output themselves
+    "decode/seesaw-bf16-h128-idle": P(decode, "seesaw", H=128, s_q=1, lens=[130] * 3, splits=(3, 1)),
+    "decode/seesaw-fp8-h128-idle": P(decode, "seesaw", kv="fp8", H=128, s_q=1, lens=[130] * 3, splits=(2, 1)),
+    "decode/seesaw-bf16-h128-direct-mixed": P(decode, "seesaw", H=128, s_q=1, lens=[300, 1, 0, 64], splits=(3, 1)),
     # narrow (keys on M): 16 and 32 query rows, FP8 staging of 3 and 2 stages
     "decode/narrow-bf16-h16-s1": P(decode, "narrow", H=16, s_q=1),
     "decode/narrow-bf16-h3-s2-1split-nopdl": P(decode, "narrow", H=3, s_q=2, splits=1, pdl=False),
@@ -461,6 +466,7 @@ CASES = {
     "decode/narrow-fp8-h16-s2-1split": P(decode, "narrow", kv="fp8", H=16, s_q=2, splits=1),
     "decode/narrow-fp8tile-h16-s1-nopdl": P(decode, "narrow", kv="fp8_tile", H=16, s_q=1, pdl=False),
     "decode/narrow-fp8tile-h3-s2-splits5": P(decode, "narrow", kv="fp8_tile", H=3, s_q=2, splits=5),
+    "decode/narrow-bf16-h16-idle": P(decode, "narrow", H=16, s_q=1, lens=[130] * 3, splits=(3, 1)),
     # fp8 (e4m3 MMAs): one and two row groups
     "decode/fp8-tensor-h16-s1": P(decode, "fp8", kv="fp8", H=16, s_q=1),
     "decode/fp8-tensor-h16-s2-1split-nopdl": P(decode, "fp8", kv="fp8", H=16, s_q=2, splits=1, pdl=False),
@@ -469,6 +475,8 @@ CASES = {
     "decode/fp8-tile-h16-s2-splits5": P(decode, "fp8", kv="fp8_tile", H=16, s_q=2, splits=5),
     "decode/fp8-tile-h3-s2-1split-nopdl": P(decode, "fp8", kv="fp8_tile", H=3, s_q=2, splits=1, pdl=False),
     "decode/fp8-tile-empty": P(decode, "fp8", kv="fp8_tile", H=16, lens=EMPTY),
+    "decode/fp8-tile-h16-idle": P(decode, "fp8", kv="fp8_tile", H=16, lens=[130] * 3, splits=(3, 1)),
+    "decode/fp8-tensor-h16-direct-mixed": P(decode, "fp8", kv="fp8", H=16, lens=[300, 1, 0, 64], splits=(3, 1)),
     # prefill: a sequence with no queries, one with no keys, queries past the keys (causal: none seen)
     "prefill/triton-bf16-causal": P(prefill, "triton", [5, 0, 70, 33], [5, 40, 70, 200]),
     "prefill/triton-bf16-full": P(prefill, "triton", [3, 20, 0], [0, 50, 9], causal=False),

@@ -49,18 +49,22 @@ def _combine_kernel(
     stride_Lb, stride_Li,
     n_rows, H, DV, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-    PLANNED: tl.constexpr, ROUND_STAGES: tl.constexpr,
+    PLANNED: tl.constexpr, ROUND_STAGES: tl.constexpr, SKIP_SINGLE: tl.constexpr = False,
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), for BLOCK_R query
     rows (m = i * H + h) and BLOCK_D output columns of one sequence, BLOCK_S splits at a time.
     PDL: launched as a programmatic dependent of the split kernel, so wait for its writes; the
     kernel after it (the next step's split kernel, itself a dependent that waits for this one to
     finish before it reads anything) may be placed from the start, not only once the wait is
-    over."""
+    over. SKIP_SINGLE (PLANNED): a sequence with one slot is left as it is (its program wrote
+    the output itself)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(1)
+    if SKIP_SINGLE:
+        if tl.load(INFO + 2 * b + 1) == 1:
+            return
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     qi = r // H
@@ -136,17 +140,22 @@ def combine_tiles(num_splits: int, rows: int, dv: int, elt: int = 4) -> tuple[in
     return bs, br, bd, max(1, min(4, (bd // (8 * t_d)) * (br // t_r)))
 
 
-def combine(o_part, l_part, out, lse, info=None, *, eq_splits: int | None = None, pdl: bool = True):
+def combine(o_part, l_part, out, lse, info=None, *, eq_splits: int | None = None, skip_single: bool = False,
+            pdl: bool = True):
     """LSE combine of split partials o_part [S, B, s_q, H, dv] (float32 or 16-bit, summed in
     float32) and l_part [S, B, s_q, H] (float32) into out [B, s_q, H, dv] and lse [B, s_q, H].
     info (the split kernels' plan, ``planned_results``): [B, 2] int32, sequence b's partials
-    are slots info[b, 0] .. + info[b, 1] - 1 of S = num_splits * B; eq_splits: the slots a
-    sequence of equal lengths has (the first round's guess; default S // B). pdl: on Hopper and
-    later, launch as a programmatic dependent of the split kernel (its programs are placed as
-    that kernel drains and wait for its writes); else plain stream order."""
+    are slots info[b, 0] .. + info[b, 1] - 1 of S = num_splits * B (B more with
+    ``planned_results(direct=True)``); eq_splits: the slots a sequence of equal lengths has
+    (default S // B); skip_single: a sequence of one slot is left alone (its program wrote out
+    and lse). pdl: on Hopper and later, launch as a programmatic dependent of the split kernel
+    (its programs are placed as that kernel drains and wait for its writes); else plain stream
+    order."""
     S, B, s_q, H, dv = o_part.shape
     if o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("combine: o_part and out need unit stride in their last dim")
+    if skip_single and info is None:
+        raise ValueError("combine: skip_single needs the plan's info")
     # with info: the slots a sequence of equal lengths has
     per = S if info is None else eq_splits if eq_splits is not None else S // B
     bs, br, bd, warps = combine_tiles(per, H * s_q, dv, o_part.element_size())
@@ -164,22 +173,25 @@ def combine(o_part, l_part, out, lse, info=None, *, eq_splits: int | None = None
         lse.stride(0), lse.stride(1),
         H * s_q, H, dv, per,
         BLOCK_S=bs, BLOCK_R=br, BLOCK_D=bd, PDL=pdl, PLANNED=info is not None, ROUND_STAGES=2 if rounds else 1,
-        num_warps=warps,
+        SKIP_SINGLE=skip_single, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 
 
 def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int,
                num_splits: int | tuple[int, int] | Callable[[], int | tuple[int, int]],
-               launch: Callable, *, part_dtype: torch.dtype = torch.float32, pdl: bool = True, flat: bool = False):
+               launch: Callable, *, part_dtype: torch.dtype = torch.float32, pdl: bool = True, flat: bool = False,
+               direct: bool = False):
     """The frame of every split-KV decode launch: out [B, s_q, H, head_dim_v] in q's dtype and
     lse [B, s_q, H] float32; for a non-empty batch the plan's result slots
     (``planned_results``, partials in part_dtype; flat: the flattened plan's), ``launch(o_part,
-    l_part, info, num_splits, eq_splits)`` (the split kernel's launch), and, with more than one
-    split, ``combine``. num_splits: the programs a sequence, or (that, the programs a sequence
-    at equal lengths: ``split_plan``), or a callable giving either, asked only for a non-empty
-    batch (the default counts read the device). max_len: the block table's capacity. Returns
-    (out, lse)."""
+    l_part, info, num_splits, eq_splits, direct)`` (the split kernel's launch), and, with more
+    than one split, ``combine``. num_splits: the programs a sequence, or (that, the programs a
+    sequence at equal lengths: ``split_plan``), or a callable giving either, asked only for a
+    non-empty batch (the default counts read the device). max_len: the block table's capacity.
+    direct: a sequence's only program writes the output itself (``planned_results``), where
+    there is more than one split and part_dtype is q's dtype; out and lse are then views of
+    the result slots. Returns (out, lse)."""
     B, s_q, H, _ = q.shape
     out = torch.empty(B, s_q, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
@@ -189,8 +201,11 @@ def run_splits(q: torch.Tensor, head_dim_v: int, max_len: int,
     S, eq = S if isinstance(S, tuple) else (S, S)
     if not 1 <= eq <= S:
         raise ValueError(f"num_splits: expected 1 <= splits at equal lengths <= splits, got {eq} of {S}")
-    o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype, flat)
-    launch(o_part, l_part, info, S, eq)
+    direct = direct and S > 1 and not flat and part_dtype == q.dtype
+    o_part, l_part, info = planned_results(out, lse, S, max_len, part_dtype, flat, direct)
+    if direct:
+        out, lse = o_part[S * B:, 0], l_part[S * B:, 0]
+    launch(o_part, l_part, info, S, eq, direct)
     if S > 1:
-        combine(o_part, l_part, out, lse, info, eq_splits=eq, pdl=pdl)
+        combine(o_part, l_part, out, lse, info, eq_splits=eq, skip_single=direct, pdl=pdl)
     return out, lse

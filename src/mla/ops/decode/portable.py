@@ -166,7 +166,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     block_dv = triton.next_power_of_2(dv)
     block_dr = max(16, triton.next_power_of_2(max(dr, 1)))
 
-    def split_kernel(o_part, l_part, info, S, eq):
+    def split_kernel(o_part, l_part, info, S, eq, direct):    # run_splits gives direct only when asked
         flat = cfg.flat and S > 1
         _decode_split_kernel[(triton.cdiv(H * s_q, cfg.block_m), flat_programs(S, B) if flat else S * B)](
             q, kv_cache, block_table, cache_seqlens, o_part, l_part, info,

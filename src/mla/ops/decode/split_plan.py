@@ -113,7 +113,7 @@ def _plan_layout(BLOCK_B):
 
 @gluon.jit
 def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN: gl.constexpr,
-                        BLOCK_B: gl.constexpr):
+                        BLOCK_B: gl.constexpr, DIRECT: gl.constexpr = False):
     """Program p's share of the batch's keys: the plan (module docstring) in Gluon, for the
     Hopper kernels, in 64-key chunks; the program's keys [start, end) are n_tiles tiles of BN
     keys. INFO[b] = (first, count), b's slots, for ``combine`` (written by b's first program).
@@ -125,7 +125,9 @@ def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN:
     numbers (a reduction per quantity, or int64 divisions in every lane, cost 1-2 us a
     launch). Counts in int32 (``planned_results`` checks the range), runs in int64. Lengths are
     read clamped to 0 .. max_len (the table's capacity), as in ``planned_split``. Returns
-    (b, seqlen, start, end, n_tiles)."""
+    (b, seqlen, start, end, n_tiles, slot): the result slot the program writes, p; -1 for an
+    idle program (it writes nothing); DIRECT (``planned_results(direct=True)``): P + b for a
+    sequence's only program (the slot that is the output itself)."""
     i = gl.arange(0, BLOCK_B, layout=_plan_layout(BLOCK_B))
     ok = i < B
     lens = gl.minimum(gl.maximum(gl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
@@ -141,6 +143,9 @@ def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN:
         end = gl.minimum((k + 1) * c // eq_splits * 64, seqlen)
         gl.store(INFO + 2 * b, p, mask=(k == 0) & live)
         gl.store(INFO + 2 * b + 1, eq_splits, mask=(k == 0) & live)
+        slot = gl.where(live, p, -1)
+        if DIRECT:
+            slot = gl.where(live & (eq_splits == 1), num_splits * B + b, slot)
     else:
         # the least T (lo) with sum_b max(1, ceil(c_b / T)) <= P, a round of sums a step
         chunks = (lens + 63) // 64
@@ -176,24 +181,28 @@ def planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits, max_len, BN:
         end = gl.minimum(((kb + 1) * cb // m).to(gl.int32) * 64, seqlen)
         gl.store(INFO + 2 * b, f.to(gl.int32), mask=kb == 0)
         gl.store(INFO + 2 * b + 1, m.to(gl.int32), mask=kb == 0)
-    # through shared memory, each thread reading all four (no cross-lane step after the load):
+        slot = p
+        if DIRECT:
+            slot = gl.where(m == 1, num_splits * B + b, p).to(gl.int32)
+    # through shared memory, each thread reading all five (no cross-lane step after the load):
     # straight from the reductions, start and end made the warpgroups' branches divergent in the
     # SASS (BSSY) and spilled warpgroup 1's loop (sm_90a, 272 bytes of stack against 48)
-    V: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    t = gl.arange(0, 4, layout=V)
-    buf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    buf.store(gl.where(t == 0, b, gl.where(t == 1, seqlen, gl.where(t == 2, start, end))))
+    V: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    t = gl.arange(0, 8, layout=V)
+    buf = gl.allocate_shared_memory(gl.int32, [8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    buf.store(gl.where(t == 0, b, gl.where(t == 1, seqlen, gl.where(t == 2, start, gl.where(t == 3, end, slot)))))
     gl.thread_barrier()
     v = buf.load(V)
     b = gl.sum(gl.where(t == 0, v, 0), axis=0)
     seqlen = gl.sum(gl.where(t == 1, v, 0), axis=0)
     start = gl.sum(gl.where(t == 2, v, 0), axis=0)
     end = gl.sum(gl.where(t == 3, v, 0), axis=0)
-    return b, seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN
+    slot = gl.sum(gl.where(t == 4, v, 0), axis=0)
+    return b, seqlen, start, end, gl.maximum(end - start + BN - 1, 0) // BN, slot
 
 
 def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_len: int,
-                    part_dtype: torch.dtype = torch.float32, flat: bool = False):
+                    part_dtype: torch.dtype = torch.float32, flat: bool = False, direct: bool = False):
     """Where the split kernels write (the plan:
     P = num_splits * B programs, program p into slot p), as [P, B, ...] views that a kernel
     addresses at (p, b): out and lse themselves when there is one split (slot strides 0:
@@ -207,6 +216,9 @@ def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_l
     keeps its partials: half the bytes to write and read back (1 KB a query row and split),
     for one more rounding of each split's normalized output (a relative 2^-9 in bf16).
     flat: the flattened plan's slots (``flat_programs``: P + B - 1) with more than one split.
+    direct (more than one split, part_dtype out's dtype): B slots more, slot P + b the result of
+    a sequence that has one program, written there by it and left alone by ``combine``
+    (``o_part[P:, 0]`` and ``l_part[P:, 0]`` are then the output: ``run_splits``).
     Returns (o_part, l_part, info)."""
     if part_dtype not in (torch.float32, out.dtype):
         raise ValueError(f"part_dtype: expected float32 or the output's dtype {out.dtype}, got {part_dtype}")
@@ -218,7 +230,9 @@ def planned_results(out: torch.Tensor, lse: torch.Tensor, num_splits: int, max_l
     info = torch.empty(B, 2, dtype=torch.int32, device=out.device)
     if num_splits == 1:
         return out.unsqueeze(0).expand(P, *out.shape), lse.unsqueeze(0).expand(P, *lse.shape), info
-    slots = flat_programs(num_splits, B) if flat else P
+    if direct and (flat or part_dtype != out.dtype):
+        raise ValueError("direct: takes the plan's slots (not flat) in the output's dtype")
+    slots = flat_programs(num_splits, B) if flat else P + B if direct else P
     o = torch.empty(slots, *out.shape[1:], dtype=part_dtype, device=out.device)
     l_ = torch.empty(slots, *lse.shape[1:], dtype=torch.float32, device=out.device)
     return o.unsqueeze(1).expand(slots, *out.shape), l_.unsqueeze(1).expand(slots, *lse.shape), info
@@ -232,19 +246,18 @@ def block_b(B: int) -> int:
 
 # the table capacity from which a batch's launch takes at least 2 programs a sequence
 # (``mixed_splits``)
-MIXED_GRID_KEYS = 8192
+MIXED_GRID_KEYS = 4096
 
 
 def mixed_splits(B: int, eq_splits: int, max_len: int) -> int:
     """The programs a sequence of a launch (its grid: this times B) whose equal lengths want
     eq_splits: at least 2 from batch 2 where the table holds ``MIXED_GRID_KEYS`` keys or more,
     so that a mixed batch can share its long sequences out (the plan idles the programs equal
-    lengths leave over). The extra programs cost about as much as a second split at equal
-    lengths (their start, the partials, the merge). On the H100 at B 128 (16 and 128 heads), 2
-    programs a sequence took, against 1: at 16k keys 0.27-0.36x on one long among short,
-    0.83-0.92x on uniform lengths, 1.01-1.09x at equal lengths; at 4k 0.44-0.98x on the mixes
-    (uniform 0.96-0.98x) and 1.04-1.13x at equal lengths. 4, 6 and 8 were slower than 2 or
-    within 2% of it."""
+    lengths leave over, and a sequence's only program writes the output itself). On the H100
+    at B 128, 2 programs a sequence (1 used at equal lengths) took, against 1, at 128 / 16
+    heads: 4k keys 1.02 / 1.02x at equal lengths, 0.93 / 0.99x on uniform lengths, 0.77 /
+    0.46x on one long among short; 16k 1.05 / 1.01x, 0.79 / 0.92x, 0.36 / 0.27x. 4, 6 and 8
+    were slower than 2 or within 2% of it."""
     return eq_splits if B < 2 or max_len < MIXED_GRID_KEYS else max(eq_splits, 2)
 
 

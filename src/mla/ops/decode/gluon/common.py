@@ -167,21 +167,21 @@ def widen_by_parts(k8, pe8, sc8, st, k_buf, kpe_buf, n0, end, KV_FMT: gl.constex
 
 @gluon.jit
 def plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BN: gl.constexpr,
-                    BLOCK_B: gl.constexpr):
+                    BLOCK_B: gl.constexpr, DIRECT: gl.constexpr = False):
     """``planned_split_gluon`` and the cache block of the split's first key (0 when it has no keys),
     which the prologue loads for ``loader`` so that the first tile's copy does not wait on a
     load of its own. bt_width: the block table's columns (lengths past bt_width * block_size
     are read as that, so no read leaves the table). Returns (b, seqlen, start, end, n_tiles,
-    bt_row, blk0).
+    bt_row, blk0, slot) (slot: ``planned_split_gluon``'s, -1 for an idle program).
 
     Not loaded ahead for the split of equal lengths: that needs sequence p // eq_splits's
     length first, and ptxas then waited for it before it sent the lengths' own load (sm_90a
     SASS), which put a second memory latency in front of the plan."""
-    b, seqlen, start, end, n_tiles = planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits,
-                                                         bt_width * block_size, BN, BLOCK_B)
+    b, seqlen, start, end, n_tiles, slot = planned_split_gluon(SEQLENS, INFO, B, p, num_splits, eq_splits,
+                                                               bt_width * block_size, BN, BLOCK_B, DIRECT)
     bt_row = b.to(gl.int64) * stride_bt
     blk0 = gl.load(BT + bt_row + start // block_size, mask=n_tiles > 0, other=0)
-    return b, seqlen, start, end, n_tiles, bt_row, blk0
+    return b, seqlen, start, end, n_tiles, bt_row, blk0, slot
 
 
 @gluon.jit
@@ -217,24 +217,25 @@ def _query_chunks(Q, q_off, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr, Q
 
 @gluon.jit
 def plan_and_query(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits,
-                   BLOCK_B: gl.constexpr, Q, stride_qb, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr):
+                   BLOCK_B: gl.constexpr, Q, stride_qb, H, S_Q, stride_qi, stride_qh, r0, R: gl.constexpr,
+                   DIRECT: gl.constexpr = False):
     """``plan_and_block`` (64-key tiles) and the query rows r0 .. r0 + R - 1 of the program's
     sequence (``_query_chunks``, [R, 64] chunks in the prologue's layout). The query's loads go
     out first, for sequence p // eq_splits (the plan's when the lengths are equal; the last one
     for an idle program), so that they land under the plan's latency as they did under the
     length's before; where the plan gives another sequence they go out again. Returns (b,
-    seqlen, start, end, n_tiles, bt_row, blk0, xq)."""
+    seqlen, start, end, n_tiles, bt_row, blk0, xq, slot)."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     guess = gl.minimum(p // eq_splits, B - 1)
     xq = _query_chunks(Q, guess.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
     # a barrier, so that the query's loads go out before the plan: without it ptxas put them after
     # the plan's first use of the lengths, behind the lengths' latency (sm_90a SASS)
     gl.thread_barrier()
-    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B,
-                                                                   p, num_splits, eq_splits, 64, BLOCK_B)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, slot = plan_and_block(
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, 64, BLOCK_B, DIRECT)
     if b != guess:      # mixed lengths
         xq = _query_chunks(Q, b.to(gl.int64) * stride_qb, H, S_Q, stride_qi, stride_qh, r0, R, QL)
-    return b, seqlen, start, end, n_tiles, bt_row, blk0, xq
+    return b, seqlen, start, end, n_tiles, bt_row, blk0, xq, slot
 
 
 @gluon.jit

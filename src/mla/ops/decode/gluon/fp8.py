@@ -428,7 +428,7 @@ def _fp8_kernel(
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, TILE: gl.constexpr, ROW_GROUPS: gl.constexpr, P_SM: gl.constexpr, Q8_SM: gl.constexpr,
-    QPE_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
+    QPE_SM: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr, DIRECT: gl.constexpr = False,
 ):
     """TILE: tile rows (``mla.quant``: 512 e4m3 values, 4 float32 scales, 64 bf16 k_pe; pe_desc
     and sc_desc over the last two); else FP8 rows of 576 e4m3 values (pe_desc, sc_desc unused)."""
@@ -447,9 +447,11 @@ def _fp8_kernel(
         p = gl.program_id(0) // ROW_GROUPS
         r0 = (gl.program_id(0) % ROW_GROUPS) * _R      # query rows r0 .. r0 + 15 (m = i H + h)
     # the loads first (the query, the lengths, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq, slot = plan_and_query(
         SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BLOCK_B, Q, stride_qb, H, S_Q,
-        stride_qi, stride_qh, r0, _R)
+        stride_qi, stride_qh, r0, _R, DIRECT)
+    if slot < 0:      # idle (equal lengths, more programs than they use): its slot is never read
+        return
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [9, 2 * _R, 64], Q8_SM)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, _R], P_SM)
     k8 = gl.allocate_shared_memory(kv_desc.dtype, [_NST, 64, 512], kv_desc.layout)
@@ -476,9 +478,9 @@ def _fp8_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    # program p writes partial slot p (the output itself when there is one split)
-    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    # the program writes the plan's slot: p, or the output (one split, or DIRECT and alone)
+    o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     fs = Fp8Shared(q8, qpe, Q, b.to(gl.int64) * stride_qb, r0, stride_qi, stride_qh, k8, pe8, sc8, p_smem, ready,
                    free, xbar, xml)
     sh = SplitShare(O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
@@ -525,7 +527,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     fmt = kv_fmt(kv_cache)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
 
-    def split_kernel(o_part, l_part, info, S, eq):
+    def split_kernel(o_part, l_part, info, S, eq, direct):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64, gl.float16)
         _fp8_kernel[(S * B * groups,)](
             q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,
@@ -537,7 +539,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             CAUSAL=bool(causal), TILE=fmt == 2, ROW_GROUPS=groups, BLOCK_B=block_b(B),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, _R], gl.float16),
             Q8_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.float8e4nv),
-            QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16),
+            QPE_SM=gl.NVMMASharedLayout.get_default_for([2 * _R, 64], gl.bfloat16), DIRECT=direct,
             num_warps=4, maxnreg=MAXNREG, **pdl_launch(H * s_q, pdl),
         )
     # each row group as a sequence of its own
@@ -545,4 +547,4 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
         lambda: launch_splits(B, min(H * s_q, _R.value), max_len, q.device, groups))
     # partials in out's dtype, 16-byte stores a thread (thread-major rows): less to write and
     # read back than float32 ones
-    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype, pdl=pdl)
+    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype, pdl=pdl, direct=True)

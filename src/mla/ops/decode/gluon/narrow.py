@@ -176,9 +176,11 @@ def _narrow_kernel(
     kpe_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SM_L)
     p_smem = gl.allocate_shared_memory(dtype, [2, 64, R], P_SM)
     # the loads first (the lengths, the query, the first tile's block), then the set-up under them
-    b, seqlen, start, end, n_tiles, bt_row, blk0, xq = plan_and_query(
+    b, seqlen, start, end, n_tiles, bt_row, blk0, xq, slot = plan_and_query(
         SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BLOCK_B, Q, stride_qb, H, S_Q,
         stride_qi, stride_qh, 0, R)
+    if slot < 0:      # idle (equal lengths, more programs than they use): its slot is never read
+        return
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # FP8: widening in turn
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -213,8 +215,8 @@ def _narrow_kernel(
     launch_dependents()
 
     # program p writes partial slot p (the output itself when there is one split)
-    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     sm = NarrowSmem(q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml)
     sh = SplitShare(O, LSE, o_base, l_base, seqlen, start, end, n_tiles, H, S_Q, stride_oi, stride_oh, stride_li,
                     qk_scale, v_scale)
@@ -257,7 +259,7 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     # FP8 staging stages of 32 keys: as many as fit in 227 KB next to Q, two 64-key tiles and P^T
     nst = 3 if (fmt == 1 and R == 16) else 2
 
-    def split_kernel(o_part, l_part, info, S, eq):
+    def split_kernel(o_part, l_part, info, S, eq, direct):    # float32 partials: never direct
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, 64 if fmt == 0 else 32, gdt)
         _narrow_kernel[(S * B,)](
             q, kv_desc, pe_desc, sc_desc, block_table, cache_seqlens, o_part, l_part, info,

@@ -82,6 +82,10 @@ __all__ = ["launch", "default_block_n", "SeesawSmem", "SeesawWork", "seesaw_buff
 # a warpgroup's layouts: S [64, BN] and its half of O [64, 256] as wgmma accumulators
 _ACC_L = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
 
+# an idle program's first output row: past the last row of any output TMA stores to (checked in
+# ``launch``), so that its boxes lie wholly outside the tensor
+IDLE_ROW = gl.constexpr(1 << 30)
+
 # Registers (``common.MAXNREG``): warp_specialize resizes the worker partitions to these counts,
 # WG1's first, then the loader's or the producer's, and WG0, the default partition, takes what
 # they free. The TMA loader only issues copies and waits: 24, and WG1 holds
@@ -141,7 +145,7 @@ class SeesawWork:
     qk_scale: gl.tensor         # softmax scale x log2(e) (x kv_scale for FP8 rows): scores in base 2
     v_scale: IntArg             # kv_scale for FP8 rows (the output's), else 1
     o_desc: tensor_descriptor   # out's TMA descriptor (TMA_OUT), and the program's first row there
-    o_row0: gl.tensor
+    o_row0: gl.tensor           # (IDLE_ROW: an idle program, which stores nothing)
 
     @gluon.constexpr_function
     def __init__(self, Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi,
@@ -235,7 +239,7 @@ def _load_qpe(wk, S_L: gl.constexpr, dtype: gl.constexpr):
     rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, QPE_L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, QPE_L))
     ptr = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
-    mask = (rows < wk.H * wk.S_Q)[:, None] & (cols < 64)[None, :]
+    mask = ((rows < wk.H * wk.S_Q) & (wk.n_tiles > 0))[:, None] & (cols < 64)[None, :]
     return gl.load(ptr[:, None] + (512 + cols)[None, :], mask=mask, other=0.0).to(dtype)
 
 
@@ -250,7 +254,8 @@ def _load_q_half(wk, q_smem, q_bar, HALF: gl.constexpr, S_L: gl.constexpr):
     rows = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_L))
     cl = gl.arange(0, 64, layout=gl.SliceLayout(0, LD_L))
     qrow = wk.Q + wk.q_base + (rows // wk.H) * wk.stride_qi + (rows % wk.H) * wk.stride_qh
-    qmask = (rows < wk.H * wk.S_Q)[:, None] & (cl < 64)[None, :]
+    # a program without keys (an idle one, an empty sequence) reads no query: its result is 0
+    qmask = ((rows < wk.H * wk.S_Q) & (wk.n_tiles > 0))[:, None] & (cl < 64)[None, :]
     ptr = qrow[:, None] + (HALF * 256 + cl)[None, :]
     xs = (gl.load(ptr, mask=qmask, other=0.0), gl.load(ptr + 64, mask=qmask, other=0.0),
           gl.load(ptr + 128, mask=qmask, other=0.0), gl.load(ptr + 192, mask=qmask, other=0.0))
@@ -286,6 +291,11 @@ def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_O
     empty = l_tot == 0.0
     inv = wk.v_scale / gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(inv, gl.SliceLayout(1, ACC_L))[:, None]
+    # an idle program's rows start at IDLE_ROW, past the end of any output, where TMA stores
+    # nothing (a branch around the copies spilled the warpgroups' loops, 112 -> 272 bytes of
+    # stack; rows before the tensor, a negative coordinate, stopped the H100 on an illegal
+    # instruction)
+    live = wk.o_row0 < IDLE_ROW
     if TMA_OUT:
         q_smem.slice(col0, 256, dim=1).store(out.to(q_smem.dtype))
         fence_async_shared()
@@ -298,11 +308,12 @@ def _store_out(wk, q_smem, acc, m_i, l_tot, col0, WRITE_LSE: gl.constexpr, TMA_O
         do = gl.arange(0, 256, layout=gl.SliceLayout(0, ACC_L))
         o_row = wk.O + wk.o_base + (mo // wk.H) * wk.stride_oi + (mo % wk.H) * wk.stride_oh + col0
         gl.store(o_row[:, None] + do[None, :], out.to(wk.O.dtype.element_ty),
-                 mask=(mo < wk.H * wk.S_Q)[:, None] & (do < 256)[None, :])
+                 mask=((mo < wk.H * wk.S_Q) & live)[:, None] & (do < 256)[None, :])
     if WRITE_LSE:
         ms = wk.ml + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_tot))) * LN2)
-        gl.store(wk.LSE + wk.l_base + (ms // wk.H) * wk.stride_li + ms % wk.H, lse, mask=ms < wk.H * wk.S_Q)
+        gl.store(wk.LSE + wk.l_base + (ms // wk.H) * wk.stride_li + ms % wk.H, lse,
+                 mask=(ms < wk.H * wk.S_Q) & live)
 
 
 @gluon.jit
@@ -534,7 +545,7 @@ def _seesaw_kernel(
     stride_ls, stride_lb, stride_li,
     H, S_Q, B, block_size, num_splits, eq_splits, qk_scale, v_scale,
     CAUSAL: gl.constexpr, KV_FMT: gl.constexpr, dtype: gl.constexpr, SM_L: gl.constexpr, P_SM: gl.constexpr,
-    TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
+    TMA_OUT: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr, DIRECT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4)
     BN: gl.constexpr = kv_desc.block_type.shape[0]     # keys per tile: 64, or 32 (a ring of 4)
@@ -570,8 +581,11 @@ def _seesaw_kernel(
     # the barriers above read no memory: under a dependent launch they are set up while the
     # kernel before drains
     wait_prerequisites()
-    b, seqlen, start, end, n_tiles, bt_row, blk0 = plan_and_block(SEQLENS, INFO, BT, stride_bt, bt_width, block_size,
-                                                                   B, p, num_splits, eq_splits, BN, BLOCK_B)
+    b, seqlen, start, end, n_tiles, bt_row, blk0, slot = plan_and_block(
+        SEQLENS, INFO, BT, stride_bt, bt_width, block_size, B, p, num_splits, eq_splits, BN, BLOCK_B, DIRECT)
+    # an idle program (slot -1) goes through the partitions with no keys and no query, and
+    # stores nothing (``_store_out``): returning here instead spilled the warpgroups' loops
+    # (sm_90a, 112 -> 288 bytes of stack)
 
     ml = pid_m * 64
     q_base = b.to(gl.int64) * stride_qb
@@ -579,11 +593,12 @@ def _seesaw_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    o_base = p.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-    l_base = p.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
+    # the program writes the plan's slot: p, or the output (one split: p is b; DIRECT and alone)
+    o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
+    l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     wk = SeesawWork(Q, O, LSE, q_base, o_base, l_base, ml, seqlen, start, end, n_tiles, H, S_Q, stride_qi, stride_qh,
                     stride_oi, stride_oh, stride_li, qk_scale, v_scale, o_desc,
-                    p * (H * S_Q) + ml)     # one split: p is b
+                    gl.where(slot < 0, IDLE_ROW, slot * (H * S_Q) + ml))
     if KV_FMT == 0:
         gl.warp_specialize([
             (_wg0, (sm, wk, CAUSAL, KV_FMT, TMA_OUT)),
@@ -645,11 +660,12 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     tma_out = rows % BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
 
-    def split_kernel(o_part, l_part, info, S, eq):
+    def split_kernel(o_part, l_part, info, S, eq, direct):
         kv_desc, pe_desc, sc_desc = descriptors(kv_cache, fmt, block_n, gdt)
         o_desc = kv_desc
         if tma_out:
-            o_rows = (o_part[0] if S == 1 else o_part[:, 0]).view(-1, D_V)    # [S * B * rows, DV]: program p's at p * rows
+            o_rows = (o_part[0] if S == 1 else o_part[:, 0]).view(-1, D_V)    # [slots * rows, DV]: slot k's at k * rows
+            assert o_rows.shape[0] + BLOCK_M <= IDLE_ROW, "the output's rows reach IDLE_ROW"
             o_desc = TensorDescriptor(o_rows, list(o_rows.shape), [D_V, 1], [BLOCK_M, 64],
                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         _seesaw_kernel[(triton.cdiv(rows, BLOCK_M), S * B)](
@@ -661,7 +677,9 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
             H, s_q, B, block_size, S, eq, softmax_scale * LOG2E * v_scale, v_scale,
             CAUSAL=bool(causal), KV_FMT=fmt, dtype=gdt, SM_L=gl.NVMMASharedLayout.get_default_for([block_n, 64], gdt),
             P_SM=gl.NVMMASharedLayout.get_default_for([64, block_n], gdt), TMA_OUT=tma_out, BLOCK_B=block_b(B),
+            DIRECT=direct,
             num_warps=4, maxnreg=MAXNREG, **pdl_launch(rows, pdl),
         )
     splits = num_splits if num_splits is not None else (lambda: launch_splits(B, rows, max_len, q.device))
-    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl)
+    return run_splits(q, D_V, max_len, splits, split_kernel, part_dtype=q.dtype if tma_out else torch.float32, pdl=pdl,
+                      direct=True)
