@@ -45,6 +45,10 @@ __all__ = ["supports", "default_splits", "default_block_n", "launch"]
 # FP8 rows: 16 bytes of FP8 a thread, [32 keys, 64 values] a warpgroup; k_pe of tile rows (bf16), 16
 # bytes a thread; their scales, a float32 a thread. All three put key r on the same threads.
 _FP8_L = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+# [box, key, value] copies of a stage's eight 64-value boxes (``_copy_fp8_rows``): _FP8_L over
+# keys and values, the boxes on top; the stage's shared layout (64-byte swizzle) seen as boxes
+_FP8_3L = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+_BOX8_L = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=3)
 _PE16_L = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
 _SC_L = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
 
@@ -65,13 +69,18 @@ def _copy_fp8_rows(st8, st, row, ok, KV, PE, SC, stride_row, stride_pe, stride_s
     into staging stage st: the latent 64 values an instruction, then k_pe (e4m3 at value 512 of
     an FP8 row; bf16 in PE for tile rows) and a tile row's four scales (SC); one commit group."""
     k8, pe8, sc8 = st8
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _FP8_L))
-    mask = ok[:, None] & (cols < 64)[None, :]
-    ptr = (KV + row * stride_row)[:, None] + cols[None, :]
-    for c in gl.static_range(8):
-        async_copy.async_copy_global_to_shared(k8.index(st).slice(c * 64, 64, dim=1), ptr + c * 64, mask=mask)
+    BN: gl.constexpr = k8.shape[1]
+    # the eight boxes in one copy: a loop of copies had a warpgroup barrier between each two
+    box = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _FP8_3L)))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _FP8_3L)))
+    base = (KV + gl.convert_layout(row, gl.SliceLayout(0, gl.SliceLayout(2, _FP8_3L))) * stride_row)[None, :, None]
+    live = gl.convert_layout(ok, gl.SliceLayout(0, gl.SliceLayout(2, _FP8_3L)))[None, :, None] & (cols < 64)[None, None, :]
+    async_copy.async_copy_global_to_shared(k8.index(st)._reinterpret(k8.dtype, [8, BN, 64], _BOX8_L),
+                                           base + (box * 64)[:, None, None] + cols[None, None, :],
+                                           mask=live & (box < 8)[:, None, None])
     if KV_FMT == 1:
-        async_copy.async_copy_global_to_shared(pe8.index(st), ptr + 512, mask=mask)
+        async_copy.async_copy_global_to_shared(pe8.index(st)._reinterpret(pe8.dtype, [1, BN, 64], _BOX8_L),
+                                               base + (512 + cols)[None, None, :], mask=live)
     else:
         # a row is 16-byte aligned (``supports``): its k_pe is too, 8 bf16 values a copy
         rp = gl.multiple_of(gl.convert_layout(row, gl.SliceLayout(1, _PE16_L)) * stride_pe, 8)
