@@ -43,20 +43,38 @@ def attend(q, kv, table, seqlens, scale, causal, dtype):
     return _attend(q, kv, table, seqlens, DV, scale, causal, dtype)
 
 
+def widened_tile_rows(stored, r, fp16, dtype):
+    """Tile rows as the widening kernels write them into shared memory: into fp16, each value
+    times its scale rounded to fp16 (one rounding: the product of two fp16 values is exact in
+    float32); else the float32 product rounded to dtype (``quant.dequantize_rows``)."""
+    if not fp16:
+        return quant.dequantize_rows(stored, "fp8_tile", r, dtype)
+    n, g = stored.shape[0], r // 128
+    values = stored[:, :r].contiguous().view(torch.float8_e4m3fn).half().view(n, g, 128)
+    scales = stored[:, r: r + 4 * g].contiguous().view(torch.float32).half()
+    k_pe = stored[:, r + 4 * g:].contiguous().view(torch.bfloat16).half()
+    return torch.cat(((values * scales[..., None]).view(n, r), k_pe), -1)
+
+
 def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0, kv_fmt="plain", kv_scale=1.0,
           **kw):
     """kv_fmt "fp8" / "fp8_tile": the kernel reads FP8 rows of the case's cache; the oracles see
-    those rows dequantized (in q's dtype: exact for fp8 with a power-of-two kv_scale, and the
-    kernel rounds a tile row's value times its scale to q's dtype the same way)."""
+    those rows dequantized as the kernel widens them (in q's dtype: exact for fp8 with a
+    power-of-two kv_scale; tile rows: ``widened_tile_rows``)."""
     e4m3_mma = kw.get("kernel") == "fp8reg"
     q, kv, table, seqlens = make_case(lens, s_q, H, block_size, dtype, seed)
     stored = kv
     if kv_fmt != "plain":    # NaN rows stay NaN (tile rows: NaN scales)
         stored = quant.quantize_rows(kv.view(-1, DV + DR).float(), kv_fmt, DV, kv_scale)
-        # the e4m3 kernel scales tile rows in float32 (keys) and fp16 (values): its oracle is
-        # the float32 dequantization, not the q-dtype one the widening kernels reproduce
-        deq = torch.float32 if e4m3_mma and kv_fmt == "fp8_tile" else dtype
-        kv = quant.dequantize_rows(stored, kv_fmt, DV, deq, kv_scale).view(kv.shape)
+        if kv_fmt == "fp8_tile" and not e4m3_mma:
+            # the seesaw widens tile rows into fp16 whatever q's dtype; narrow into q's dtype
+            fp16 = dtype == torch.float16 or kw.get("kernel", "seesaw") == "seesaw"
+            kv = widened_tile_rows(stored, DV, fp16, dtype).view(kv.shape)
+        else:
+            # the e4m3 kernel scales tile rows in float32 (keys) and fp16 (values): its oracle is
+            # the float32 dequantization
+            deq = torch.float32 if e4m3_mma else dtype
+            kv = quant.dequantize_rows(stored, kv_fmt, DV, deq, kv_scale).view(kv.shape)
         stored = stored.view(*kv.shape[:2], -1)
     assert common.supports(q, stored, block_size)
     scale = 1.0 / math.sqrt(DV + DR)

@@ -128,7 +128,7 @@ def seesaw_fp8_kernel(m=None, tile: bool = False, block_b: int = BLOCK_B):
     if tile:
         pe = f"tensordesc<bf16[32, 64],{gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)!r}>"
         sc = f"tensordesc<fp32[32, 4],{gl.NVMMASharedLayout.get_default_for([32, 4], gl.float32)!r}>"
-    gdt = gl.bfloat16 if tile else gl.float16
+    gdt = gl.float16      # FP8 rows, tile rows too, widen into fp16 (seesaw.launch)
     sig = _bf16_sig({"o_desc": f8}, "*fp32")
     sig.update({"kv_desc": f8, "pe_desc": pe, "sc_desc": sc})
     cx = {"CAUSAL": True, "KV_FMT": 2 if tile else 1, "dtype": gdt,
@@ -156,7 +156,7 @@ def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64, kv: str = "bf1
     if m is None:
         from mla.ops.decode.gluon import sparse as m
     fmt = {"bf16": 0, "fp8": 1, "tile": 2}[kv]
-    gdt = gl.float16 if fmt == 1 else gl.bfloat16
+    gdt = gl.float16 if fmt != 0 else gl.bfloat16
     o_l = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     ints = ["stride_qn", "stride_qh", "stride_row", "stride_pe", "stride_sc", "stride_in", "stride_os", "stride_on",
             "stride_oh", "stride_ls", "stride_ln", "H", "num_slots", "topk", "chunk", "num_splits", "has_sink"]

@@ -71,6 +71,13 @@ def zero_tail(k_buf, kpe_buf, n0, end):
 
 
 @gluon.jit
+def _mul_f16x2(a, b):
+    """a * b of fp16 tensors, two values an instruction (a plain product is one a value)."""
+    return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
 def _widen_part(x, dst, keep, full, sc, g: gl.constexpr, KV_FMT: gl.constexpr):
     """Columns of FP8 values (registers; within one group g of 128) -> dst in its dtype, times
     their scales (tile rows); rows not kept -> 0 unless the tile is full (a select per value
@@ -78,7 +85,13 @@ def _widen_part(x, dst, keep, full, sc, g: gl.constexpr, KV_FMT: gl.constexpr):
     if KV_FMT == 2:
         col = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, x.type.layout))[None, :] == g, sc, 0.0),
                      axis=1)
-        y = (x.to(gl.float32) * col[:, None]).to(dst.dtype)
+        if dst.dtype == gl.float16:
+            # e4m3 -> fp16 is exact and one instruction a pair, the product one more (HMUL2);
+            # through float32 into bf16 it took six a pair (two widenings, two multiplies, a pack)
+            s16, x16 = gl.broadcast(col.to(gl.float16)[:, None], x.to(gl.float16))
+            y = _mul_f16x2(x16, s16)
+        else:
+            y = (x.to(gl.float32) * col[:, None]).to(dst.dtype)
     else:
         y = x.to(dst.dtype)
     if full:
@@ -93,7 +106,9 @@ def widen(st8, ready, j, k_buf, kpe_buf, n0, end, KV_FMT: gl.constexpr):
     caller waited), rows >= end zeroed (unused slots may hold NaN); the stage goes back to the
     loader.
     KV_FMT 1: e4m3 rows (kv_scale is applied outside: in qk_scale and on the output), widened
-    exactly; 2: e4m3 latent times its row's float32 scale per 128 values, k_pe copied (bf16).
+    exactly; 2: e4m3 latent times its row's float32 scale per 128 values (into fp16: the scale
+    rounded to fp16, one rounding of the product; into bf16: the float32 product rounded),
+    k_pe converted from bf16.
     All of the tile is read into registers before anything is written: the compiler puts a
     barrier between shared-memory reads and writes it cannot tell apart, and one per 64
     columns (read, barrier, write, barrier, ...) made the widening 2-3x slower than the loads."""

@@ -49,8 +49,8 @@ on tiles some row of the tile does not see in full.
 
 FP8 rows: a fourth warpgroup, the producer (``_producer``), copies 32-key FP8 tiles by TMA into
 two staging stages and widens each (``widen_by_parts``: e4m3 -> fp16 exactly, kv_scale folded
-into the softmax scale and the output; tile rows: times each row's float32 scale per 128
-values, into q's dtype) into a ring of three K slots, zeroing tail rows; the two warpgroups
+into the softmax scale and the output; tile rows: times each row's scale per 128 values, the
+product in fp16) into a ring of three K slots, zeroing tail rows; the two warpgroups
 only wait for a slot, and the rest is the same. Widening in the warpgroups themselves, before
 each QK^T, took 1.25-1.39x this time on the H200 at 128 heads (B 4-128, 4k-16k): it spilled,
 and it stood between every tile's release and the next QK^T.
@@ -649,8 +649,9 @@ def launch(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, c
     max_len = block_table.shape[1] * block_size
     if block_n is None:
         block_n = default_block_n(B, rows) if fmt == 0 else 32
-    # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly in one instruction a pair (bf16: three)
-    gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
+    # the MMAs' dtype: q's; FP8 rows widen to fp16, exactly in one instruction a pair (bf16: three),
+    # tile rows times their scales in one more (into bf16 through float32: six a pair)
+    gdt = gl.float16 if q.dtype == torch.float16 or fmt != 0 else gl.bfloat16
     # whole 64-row tiles per sequence and the output in the MMAs' dtype: each split's result is
     # staged in the query's shared memory and goes out by TMA, into out itself (one split) or
     # into partials in out's dtype (slot p's rows p * rows ..); else (fp16 MMAs for a bf16

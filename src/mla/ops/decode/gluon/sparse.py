@@ -256,8 +256,9 @@ def launch(q, kv_rows, indices, head_dim_v, softmax_scale, attn_sink=None, num_s
     block_n = block_n or (default_block_n(N, H) if fmt == 0 else 32)
     chunk = triton.cdiv(triton.cdiv(max(topk, 1), S), 64) * 64        # whole pairs of 32-key tiles
     S = max(1, triton.cdiv(topk, chunk))
-    # the MMAs' dtype: q's; e4m3 rows widen to fp16 exactly (kv_scale applied to the scores and out)
-    gdt = gl.float16 if q.dtype == torch.float16 or fmt == 1 else gl.bfloat16
+    # the MMAs' dtype: q's; FP8 rows widen to fp16 (e4m3 exactly, kv_scale applied to the scores and
+    # out; tile rows times their scales, the product in fp16: ``seesaw.launch``)
+    gdt = gl.float16 if q.dtype == torch.float16 or fmt != 0 else gl.bfloat16
     tma_out = S == 1 and H % BLOCK_M == 0 and gdt == (gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
     v_scale = float(kv_scale) if fmt == 1 else 1.0
     if S == 1:
