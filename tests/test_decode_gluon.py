@@ -73,7 +73,7 @@ def check(lens, s_q, H, block_size=64, dtype=torch.bfloat16, causal=True, seed=0
         else:
             # the e4m3 kernel scales tile rows in float32 (keys) and fp16 (values): its oracle is
             # the float32 dequantization
-            deq = torch.float32 if e4m3_mma else dtype
+            deq = torch.float32 if kv_fmt == "fp8_tile" else dtype
             kv = quant.dequantize_rows(stored, kv_fmt, DV, deq, kv_scale).view(kv.shape)
         stored = stored.view(*kv.shape[:2], -1)
     assert common.supports(q, stored, block_size)
