@@ -38,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..._jit import kv_fmt
 from ..combine import run_splits
 from ..split_plan import block_b
-from .common import (D_QK, D_V, LOG2E, MAXNREG, SplitShare, acc_layout, aggregate, copy_tile, launch_splits,
-                     descriptors, launch_dependents, loader, merge_buffers, merge_weights, pdl_launch, plan_and_query,
+from .common import (D_QK, D_V, LOG2E, MAXNREG, SplitShare, acc_layout, aggregate, copy_tile, descriptors,
+                     launch_dependents, launch_splits, loader, merge_buffers, merge_weights, pdl_launch, plan_and_query,
                      ring_barriers, send_state, supports, thread_major, wait_prerequisites, widen, zero_tail)
 
 __all__ = ["launch", "narrow_rows"]
@@ -214,7 +214,7 @@ def _narrow_kernel(
     gl.thread_barrier()
     launch_dependents()
 
-    # program p writes partial slot p (the output itself when there is one split)
+    # the program writes the plan's slot: p (the output itself when there is one split)
     o_base = slot.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
     l_base = slot.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb
     sm = NarrowSmem(q_smem, qpe_smem, k_smem, kpe_smem, p_smem, st8, ready, free, turn, xbar, xml)
