@@ -137,7 +137,7 @@ def host_breakdown(model, B: int, prompt: int, new: int) -> None:
     host pause of its own, counted in whatever step it falls in)."""
     import gc
     import statistics
-    from mla.hf_graph import DecodeStep
+    from mla.hf.decode_step import DecodeStep
 
     parts = {"patch": [], "DecodeStep call": [], "run_packed": [], "append_tokens": [], "set_lengths": []}
 

@@ -1,4 +1,4 @@
-"""Serving throughput: transformers' continuous batching on mla's latent cache (mla.hf_engine)
+"""Serving throughput: transformers' continuous batching on mla's latent cache (mla.hf.engine)
 against the same patched model's ``generate`` in static batches, in one process.
 
 The model is DeepSeek-V3-shaped with random bf16 weights (hidden 7168, 128 heads, q_lora_rank
@@ -45,7 +45,7 @@ import time
 import torch
 
 import mla
-import mla.hf_engine
+import mla.hf
 from transformers import ContinuousBatchingConfig, DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
 
 
@@ -289,7 +289,7 @@ def main(argv=None):
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--memory", type=float, default=0.4, help="max_memory_percent of the engine's pool")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
-                    help="the engine's whole-step decode graphs (mla.hf_engine.enable's graphs: None, True, False)")
+                    help="the engine's whole-step decode graphs (mla.hf.enable's graphs: None, True, False)")
     ap.add_argument("--warmup", choices=("none", "full", "short"), default="none",
                     help="an untimed pass of the trace before the timed runs: none, the whole trace, or 4 new "
                          "tokens a request (the manager's own warm-up runs at each start in any case)")
@@ -307,7 +307,7 @@ def main(argv=None):
     # the patch's own cache serves the static batches: the widest batch of the longest requests
     blocks = max(map(int, args.static_batches.split(","))) * -(-longest // bs) + 8
     handle = mla.hf.patch(model, num_blocks=blocks, block_size=bs)
-    mla.hf_engine.enable(handle, graphs=dict(auto=None, on=True, off=False)[args.graphs])
+    mla.hf.enable(handle, graphs=dict(auto=None, on=True, off=False)[args.graphs])
     cb_kw = dict(block_size=bs, max_batch_tokens=args.max_batch_tokens,
                  max_memory_percent=args.memory, allow_block_sharing=False)
     if args.tiny:

@@ -1,4 +1,4 @@
-"""mla.hf_engine: transformers' continuous batching (generate_batch, the manager) on the latent
+"""mla.hf.engine: transformers' continuous batching (generate_batch, the manager) on the latent
 cache gives every request the tokens transformers' own ``generate`` gives that prompt alone.
 
 Tiny random float32 models of tests/test_hf_patch.py on CPU (identical tokens expected). Every
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mla
-import mla.hf_engine
+import mla.hf
 from test_hf_patch import CASES as PATCH_CASES, make_model
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -83,7 +83,7 @@ def serve(case, lengths, new_tokens=8, seed=0, graphs=None, **cb):
     ps = prompts(lengths, seed)
     refs = [reference(model, p, new_tokens) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle, graphs=graphs)
+    mla.hf.enable(handle, graphs=graphs)
     steps = Steps(handle)
     config = ContinuousBatchingConfig(**{"block_size": BLOCK, "num_blocks": 64, "max_batch_tokens": 16, **cb})
     out = model.generate_batch(ps, GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1),
@@ -128,7 +128,65 @@ def test_decode_steps_run_the_whole_step():
 def test_linear_attention_families_refused(case):
     handle = mla.hf.patch(make_model(case), num_blocks=16, block_size=BLOCK)
     with pytest.raises(ValueError, match="linear-attention"):
-        mla.hf_engine.enable(handle)
+        mla.hf.enable(handle)
+
+
+GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+
+
+def cb_config():
+    return ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32"])
+def test_patch_alone_serves_generate_batch(case):
+    """transformers' documented path, without mla.hf.enable: patch, then generate_batch, runs on
+    mla's engine (made at the first call) and gives generate's tokens."""
+    model = make_model(case)
+    ps = prompts([7, 12, 5], seed=3)
+    refs = [reference(model, p, 6) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    out = model.generate_batch(ps, GREEDY, continuous_batching_config=cb_config())
+    assert [o.generated_tokens for o in out.values()] == refs and all(o.error is None for o in out.values())
+    assert isinstance(handle.engine, mla.hf.Engine)
+    with pytest.raises(ValueError, match="enabled already"):
+        mla.hf.enable(handle)
+
+
+@pytest.mark.parametrize("case", LINEAR)
+def test_patch_alone_refuses_linear_families_before_any_request(case):
+    model = make_model(case)
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    with pytest.raises(ValueError, match="linear-attention.*generate serves this one"):
+        model.generate_batch(prompts([5], seed=0), GREEDY, continuous_batching_config=cb_config())
+    assert handle.engine is None and handle.cache.num_free_blocks == 16
+
+
+def test_disabled_engine_refused_by_name_then_enabled_again():
+    model = make_model("deepseek_v3")
+    ps = prompts([6, 9], seed=4)
+    refs = [reference(model, p, 6) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf.enable(handle).disable()
+    for call in (lambda: model.generate_batch(ps, GREEDY, continuous_batching_config=cb_config()),
+                 lambda: model.init_continuous_batching(GREEDY, cb_config())):
+        with pytest.raises(ValueError, match=r"disabled.*mla\.hf\.enable\(handle\)"):
+            call()
+    mla.hf.enable(handle, graphs=False)
+    out = model.generate_batch(ps, GREEDY, continuous_batching_config=cb_config())
+    assert [o.generated_tokens for o in out.values()] == refs
+
+
+def test_unpatch_gives_transformers_engine_back():
+    model = make_model("deepseek_v3")
+    own = type(model).init_continuous_batching
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    assert "init_continuous_batching" in vars(model)
+    handle.unpatch()
+    assert "init_continuous_batching" not in vars(model) and model.init_continuous_batching.__func__ is own
+    assert handle.engine is None
+    with pytest.raises(ValueError, match="unpatch"):
+        mla.hf.enable(handle)
 
 
 def test_waits_never_evicts():
@@ -144,7 +202,7 @@ def test_waits_never_evicts():
 def test_never_fits_is_refused():
     model = make_model("deepseek_v3")
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
     small = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=4, max_batch_tokens=16)
     with pytest.raises(ValueError, match="can never fit"):
@@ -171,7 +229,7 @@ def test_manager_stream_cancel_and_prefix_sharing():
     long = prompts([9], 4)[0]
     refs = [reference(model, p, 8) for p in (a, b)] + [reference(model, long, 20)]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     steps = Steps(handle)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
@@ -214,7 +272,7 @@ def test_stop_tokens_sampling_and_num_return_sequences():
     eos = refs[0][at]
     stopped = [reference(model, p, 8, eos_token_id=eos, pad_token_id=0) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
     out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=eos),
                                continuous_batching_config=cb)
@@ -246,7 +304,7 @@ def test_persistent_manager_serves_again(graphs):
     ps = prompts([6, 9], 7)
     refs = [reference(model, p, 6) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle, graphs=graphs)
+    mla.hf.enable(handle, graphs=graphs)
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
     cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64)
     first = model.generate_batch(ps, gen, continuous_batching_config=cb, persistent_manager=True)
@@ -267,15 +325,15 @@ def test_pool_sized_by_latent_rows():
     kw = dict(num_layers=61, dtype=torch.bfloat16, vocab_size=129280, block_size=64, max_batch_tokens=8192,
               max_workspace_tokens=65536)
     available = 100 * 2 ** 30
-    blocks = mla.hf_engine.pool_blocks(cfg, available=available, **kw)
+    blocks = mla.hf.engine.pool_blocks(cfg, available=available, **kw)
     expanded = 61 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 2
     latent = 61 * 576 * 2 + 8
     fixed = 65536 * 128 * 256 * 2 + 8192 * (2 * (4 * 7168 + 128 * (256 + 64 + 256)) + 4 * 129280 + 64)
     assert blocks == (available - fixed) // latent // 64
     assert blocks * 64 > 60 * (available - fixed) // expanded
-    assert mla.hf_engine.pool_blocks(cfg, available=fixed, **kw) == 0
+    assert mla.hf.engine.pool_blocks(cfg, available=fixed, **kw) == 0
     # FP8 tile rows: 656 bytes a token and layer (the activations stay bf16)
-    tile = mla.hf_engine.pool_blocks(cfg, available=available, cache_format="fp8_tile", **kw)
+    tile = mla.hf.engine.pool_blocks(cfg, available=available, cache_format="fp8_tile", **kw)
     assert tile == (available - fixed) // (61 * 656 + 8) // 64
 
 
@@ -289,7 +347,7 @@ def test_engine_cache_keeps_the_patch_cache_format():
                                  dtype=torch.float8_e4m3fn, kv_scale=0.5)
     handle = mla.hf.patch(model, cache, dtype=torch.float32)
     refs = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist() for p in ps]
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1),
                                              ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
     latent = manager.cache.latent
@@ -306,7 +364,7 @@ def test_request_id_used_again_on_other_blocks():
     first, second, other = prompts([6, 7, 9], 8)
     refs = [reference(model, p, 8) for p in (first, second)]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle, graphs=True)
+    mla.hf.enable(handle, graphs=True)
     steps = Steps(handle)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32))
@@ -332,7 +390,7 @@ def test_warm_up_sweep_then_serves_the_same_tokens():
     ps = prompts([7, 20, 5, 11, 30], 2)
     refs = [reference(model, p, 6) for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64,
                                                                            max_batch_tokens=16))
@@ -364,7 +422,7 @@ def test_decode_steps_graphed_on_gpu():
     refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
             for p in ps]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     steps = Steps(handle)
     config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
     out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
@@ -383,7 +441,7 @@ def test_warmup_compiles_what_the_eager_steps_run():
     from triton.runtime.jit import JITFunction
     model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle)
+    mla.hf.enable(handle)
     steps = Steps(handle)
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(2, 41, (16,), generator=g).tolist()
@@ -426,7 +484,7 @@ def test_uncapturable_model_decodes_eagerly():
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
     config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    engine = mla.hf_engine.enable(handle)
+    engine = mla.hf.enable(handle)
     steps = Steps(handle)
     with pytest.warns(RuntimeWarning, match="cannot be captured"):
         out = model.generate_batch(ps, gen, continuous_batching_config=config)
@@ -435,6 +493,6 @@ def test_uncapturable_model_decodes_eagerly():
     engine.disable()
     handle.unpatch()
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
-    mla.hf_engine.enable(handle, graphs=True)
+    mla.hf.enable(handle, graphs=True)
     with pytest.raises(ValueError, match="graphs: the model's decode step cannot be captured"):
         model.generate_batch(ps, gen, continuous_batching_config=config)

@@ -297,7 +297,7 @@ class PagedLatentCache:
         width: the batch's block-table columns; None: the step's longest table. The decode
             kernels choose their split count and compiled variant from the table's width, so an
             engine that gives every step one width (its decode graph's) meets a fixed set of
-            variants, which it can compile before serving (``mla.hf_engine``).
+            variants, which it can compile before serving (``mla.hf.engine``).
         Raises ValueError before anything is written: a malformed request, a sequence twice, a
         length past max_position_embeddings, a table too short or with a block out of range, a
         width narrower than a table needs, a slot_mapping of the wrong shape, dtype, device or

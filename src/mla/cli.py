@@ -1,5 +1,5 @@
 """The ``mla`` console script (also ``python -m mla``): ``mla demo`` (the README's main job),
-``mla serve MODEL`` (an OpenAI-compatible server, mla.serve), ``mla bench ...`` and ``mla --version``.
+``mla serve MODEL`` (an OpenAI-compatible server, mla.hf.serve), ``mla bench ...`` and ``mla --version``.
 
 Exit status: 0 on success, 1 when a command cannot run here (``--device cuda`` without CUDA, a
 benchmark without a GPU) or its check fails, 2 for bad arguments; messages go to stderr.
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
         return demo_main(rest)
     if args.command == "serve":
-        from .serve import main as serve_main
+        from .hf.serve import main as serve_main
         return serve_main(rest)
     from .bench import main as bench_main
     return bench_main(rest)

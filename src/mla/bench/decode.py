@@ -236,11 +236,6 @@ def providers(args) -> dict:
     return out
 
 
-def _error(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
-
-
 def measure(c: dict, providers: dict, page: int, profile: bool = False) -> list[dict]:
     """One row per provider on the case c: checked against the reference (``CHECK_TOL``), then
     timed; a wrong result is an error row with no time. A case of ``mix`` rows names it and K."""
@@ -270,7 +265,7 @@ def measure(c: dict, providers: dict, page: int, profile: bool = False) -> list[
         except prov.NotApplicable as e:
             row["note"] = f"n/a: {e}"
         except Exception as e:   # one provider failing a case: its row says why, the others go on
-            row["error"] = _error(e)
+            row["error"] = report.error_text(e)
     return rows
 
 

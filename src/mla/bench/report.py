@@ -16,6 +16,20 @@ def write_csv(rows: list[dict], path: str) -> None:
         w.writerows(rows)
 
 
+def error_text(e: Exception) -> str:
+    """A failed provider's row: the exception's type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def emit(shape: list[dict], rows: list[dict], cols, stop: str, csv: str | None) -> None:
+    """Print one shape's rows now (a run cut short keeps them) and keep them for the CSV."""
+    print("\n".join(fixed_line(r, cols, stop) for r in shape), flush=True)
+    rows += shape
+    if csv:
+        write_csv(rows, csv)
+
+
 def print_rows(rows: list[dict], cols: list[str]) -> None:
     """rows as a table of the columns cols, each as wide as its widest cell."""
     widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in cols}

@@ -210,11 +210,6 @@ def time_calls(calls, graph: bool = True) -> tuple[float, str]:
     return eager_time_us(calls[0]), "eager"
 
 
-def _error(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
-
-
 def measure(row: dict, make, c: dict, ref: tuple, sub: slice, copies: list, nbytes: int, flops: int,
             graph: bool) -> dict:
     """One provider on the case c: its result on ``copies[0]`` checked against ``ref`` (the
@@ -224,7 +219,7 @@ def measure(row: dict, make, c: dict, ref: tuple, sub: slice, copies: list, nbyt
     except prov.NotApplicable as e:
         return dict(row, check="n/a", note=f"n/a: {e}")
     except Exception as e:   # one provider failing a shape: its row says why, the others go on
-        return dict(row, check="error", error=_error(e))
+        return dict(row, check="error", error=report.error_text(e))
     row["config"] = t.config
     try:
         out, lse = t.result(t.call(copies[0]))
@@ -235,7 +230,7 @@ def measure(row: dict, make, c: dict, ref: tuple, sub: slice, copies: list, nbyt
         row.update(_metrics(us, nbytes, flops), timing=how)
     except Exception as e:
         row.setdefault("check", "error")
-        row["error"] = _error(e)
+        row["error"] = report.error_text(e)
     return row
 
 
@@ -245,14 +240,6 @@ def add_peer_ratio(rows: list[dict]) -> None:
     for r in rows:
         if r["provider"] == "mla.ops" and "us" in r and peer:
             r["mla/flashmla"] = r["us"] / peer
-
-
-def _emit(shape: list[dict], rows: list[dict], cols, stop: str, csv: str | None) -> None:
-    """Print one shape's rows now (a run cut short keeps them) and keep them for the CSV."""
-    print("\n".join(report.fixed_line(r, cols, stop) for r in shape), flush=True)
-    rows += shape
-    if csv:
-        report.write_csv(rows, csv)
 
 
 # ------------------------------------------------------------------ the sections
@@ -295,7 +282,7 @@ def run_decode(g: Grid, fm, rows: list, csv: str | None) -> None:
                 cache = cases.decode_cache(B, g.context, g.page, max(g.s_q), g.topk, kv_format)
                 copies = rotated_copies(cache["kv"])
             except Exception as e:   # e.g. out of memory: the other shapes go on
-                _emit([dict(section="decode", B=B, kv=kv_format, provider="inputs", error=_error(e))], rows,
+                report.emit([dict(section="decode", B=B, kv=kv_format, provider="inputs", error=report.error_text(e))], rows,
                       DECODE_COLS, "check", csv)
                 continue
             for H in g.heads:
@@ -304,8 +291,8 @@ def run_decode(g: Grid, fm, rows: list, csv: str | None) -> None:
                         shape = decode_shape(cache, copies, H, s_q, provs)
                     except Exception as e:   # the reference itself failed on this shape
                         shape = [dict(section="decode", H=H, B=B, s_q=s_q, kv=kv_format, provider="reference",
-                                      error=_error(e))]
-                    _emit(shape, rows, DECODE_COLS, "check", csv)
+                                      error=report.error_text(e))]
+                    report.emit(shape, rows, DECODE_COLS, "check", csv)
             del cache, copies
             torch.cuda.empty_cache()
 
@@ -334,8 +321,8 @@ def run_prefill(g: Grid, fm, rows: list, csv: str | None) -> None:
             shape = prefill_shape(g, H, provs)
         except Exception as e:
             shape = [dict(section="prefill", H=H, s_q=g.prefill_queries, s_kv=g.prefill_kv, provider="reference",
-                          error=_error(e))]
-        _emit(shape, rows, PREFILL_COLS, "check", csv)
+                          error=report.error_text(e))]
+        report.emit(shape, rows, PREFILL_COLS, "check", csv)
         torch.cuda.empty_cache()
 
 
@@ -368,7 +355,7 @@ def indexer_shape(g: Grid, B: int, keys_fmt: str = "bf16") -> list[dict]:
         try:
             found[step] = check()
         except Exception as e:
-            found[step] = dict(check="error", error=_error(e))
+            found[step] = dict(check="error", error=report.error_text(e))
     keys, logits = rotated_copies(c["keys"]), rotated_copies(ref)
     calls = {"logits": [lambda k=k: logits_of(k) for k in keys], "topk": [lambda x=x: top_of(x) for x in logits],
              "both": [lambda k=k: top_of(logits_of(k)) for k in keys]}
@@ -381,7 +368,7 @@ def indexer_shape(g: Grid, B: int, keys_fmt: str = "bf16") -> list[dict]:
             row.update(_metrics(us, indexer_bytes(step, B, g.context, g.index_heads, g.index_dim, g.topk, keys_fmt),
                                 indexer_flops(step, B, g.context, g.index_heads, g.index_dim)), timing=how)
         except Exception as e:
-            row["error"] = _error(e)
+            row["error"] = report.error_text(e)
         shape.append(row)
     return shape
 
@@ -396,8 +383,8 @@ def run_indexer(g: Grid, fm, rows: list, csv: str | None) -> None:
                 shape = indexer_shape(g, B, keys_fmt)
             except Exception as e:
                 shape = [dict(section="indexer", B=B, K=g.context, keys=keys_fmt, step="inputs", provider="mla.ops",
-                              error=_error(e))]
-            _emit(shape, rows, INDEXER_COLS, "check", csv)
+                              error=report.error_text(e))]
+            report.emit(shape, rows, INDEXER_COLS, "check", csv)
             torch.cuda.empty_cache()
     budget = indexer_budget(rows, g.batch, g.index_keys)
     print("\n".join(b["text"] for b in budget), flush=True)

@@ -123,7 +123,6 @@ def step_shape(H: int, B: int, L: int, topk: int, index_heads: int, index_dim: i
 
 def run_step(g, fm, rows: list, csv: str | None) -> None:
     """Every (heads, batch, cache format, index keys) of the grid at ``--context``."""
-    from .sparse import _emit, _error
 
     print(f"\n## a DeepSeek-V3.2 layer's decode step (indexer {g.index_heads} x {g.index_dim}, top-{g.topk}) "
           f"against the dense DeepSeek-V3 step, {g.context} tokens, CUDA-graph replays")
@@ -135,10 +134,10 @@ def run_step(g, fm, rows: list, csv: str | None) -> None:
                     row, lines = step_shape(H, B, g.context, g.topk, g.index_heads, g.index_dim, keys, g.page, kv=kv)
                 except Exception as e:
                     row, lines = dict(section="step", H=H, B=B, L=g.context, kv=kv, keys=keys, check="error",
-                                      error=_error(e)), []
+                                      error=report.error_text(e)), []
                     if torch.cuda.is_initialized():
                         torch.cuda.set_stream(torch.cuda.default_stream())
-                _emit([row], rows, STEP_COLS, "check", csv)
+                report.emit([row], rows, STEP_COLS, "check", csv)
                 if lines:
                     print("\n".join(lines), flush=True)
                 torch.cuda.empty_cache()

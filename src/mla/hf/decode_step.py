@@ -1,6 +1,6 @@
 """The whole decode step of a patched transformers model on static buffers: one CUDA graph a
 batch bucket, from the token ids to the logits (``mla.hf.patch``'s decode steps, and the pure
-decode steps of transformers' continuous-batching engine, ``mla.hf_engine``).
+decode steps of transformers' continuous-batching engine, ``mla.hf.engine``).
 
 ``generate`` decodes one token a row a step. What that step needs is on the host already: the
 handle knows each row's sequence, ``cache.append_tokens`` reserves each new token's slot, and
@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .graph import DEFAULT_BUCKETS, StepGraph
+from ..graph import DEFAULT_BUCKETS, StepGraph
 
 __all__ = ["DecodeStep"]
 

@@ -1,6 +1,6 @@
 """``mla serve MODEL``: transformers' OpenAI-compatible server (``transformers serve`` with
 continuous batching) over an MLA model preloaded from a local directory, patched
-(``mla.hf.patch``) and served on the latent cache (``mla.hf_engine``).
+(``mla.hf.patch``) and served on the latent cache (``mla.hf.engine``).
 
 What is transformers' own: the FastAPI app (``/v1/chat/completions`` streaming and not,
 ``/v1/completions``, ``/v1/responses``, ``/health``), request parsing, the chat template, the
@@ -96,7 +96,6 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
     from transformers.cli.serving.utils import CBGenerateManager, GenerationState, set_torch_seed
 
     import mla.hf
-    import mla.hf_engine
 
     if seed is not None:
         set_torch_seed(seed)
@@ -107,7 +106,7 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
         def _load_model(self, *args, **kwargs):
             model = super()._load_model(*args, **kwargs)
             # the engine allocates its own latent cache; the patch's own serves plain generate only
-            mla.hf_engine.enable(mla.hf.patch(model, num_blocks=16), graphs=graphs)
+            mla.hf.enable(mla.hf.patch(model, num_blocks=16), graphs=graphs)
             return model
 
         def get_gen_models(self, cache_dir=None) -> list[dict]:
@@ -173,7 +172,7 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
                        transcription_handler=TranscriptionHandler(models, state), generation_state=state,
                        enable_cors=enable_cors)
 
-    @app.exception_handler(mla.hf_engine.RequestRefused)
+    @app.exception_handler(mla.hf.RequestRefused)
     async def _refused(_request: Request, exc: Exception):
         return JSONResponse({"error": str(exc)}, status_code=400)
     return app

@@ -1,6 +1,6 @@
-"""mla.hf: run a transformers MLA model's attention through ``mla.MLA`` on one paged latent cache.
+"""PatchHandle: a transformers MLA model's attention run by ``mla.MLA`` on one paged latent cache.
 
-``patch(model)`` finds every MLA attention module of a transformers model of an exact family
+``mla.hf.patch(model)`` finds every MLA attention module of a transformers model of an exact family
 (``MLAConfig.from_hf`` reads its config; a refused family raises there), builds an ``mla.MLA``
 with the module's weights for each, and swaps the module for a thin stand-in that runs it on
 one shared ``PagedLatentCache``. The rest of the model (embeddings, norms, MoE, lm_head, the
@@ -29,7 +29,7 @@ cache) runs eagerly:
   beam search's reorder forks them (copy-on-write) through ``model._reorder_cache``.
 
 A decode step (one new token a row on the cache of the last forward, ``generate``'s loop) runs
-the whole model on static buffers (``mla.hf_graph``): with ``graphs`` (on by default on a GPU)
+the whole model on static buffers (``mla.hf.decode_step``): with ``graphs`` (on by default on a GPU)
 as one CUDA graph a batch bucket, embeddings to logits, its metadata packed on the host and
 copied in one transfer, no host read-back; without, the same step eagerly. Both pick the same
 decode kernel and split count (the block table is as wide in both), so the graphed and eager
@@ -53,12 +53,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import PagedLatentCache
-from .config import MLAConfig
-from .layer import LAYER_DTYPES, MLA
-from .strategy import static_sparse_problem
+from ..cache import PagedLatentCache
+from ..config import MLAConfig
+from ..layer import LAYER_DTYPES, MLA
+from ..strategy import static_sparse_problem
+from .decode_step import DecodeStep
 
-__all__ = ["patch", "patch_config", "PatchHandle"]
+__all__ = ["PatchHandle", "patch_config"]
 
 
 def _is_mla_attention(module: nn.Module) -> bool:
@@ -66,44 +67,12 @@ def _is_mla_attention(module: nn.Module) -> bool:
     return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "kv_b_proj")
 
 
-def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: torch.dtype | None = None,
-          backend: str = "auto", num_blocks: int = 256, block_size: int = 64,
-          max_workspace_tokens: int | None = None, graphs: bool | None = None) -> "PatchHandle":
-    """Swap every MLA attention module of ``model`` (a transformers model of an exact MLA family,
-    e.g. ``DeepseekV3ForCausalLM``) for ``mla.MLA`` on one shared ``PagedLatentCache``.
-
-    cache: a ``PagedLatentCache`` to use, built for ``patch_config(model)`` (= ``handle.cfg``) with
-        ``num_layers >= M`` (the model's M MLA modules); None creates one of ``num_blocks``
-        blocks of ``block_size`` tokens.
-    dtype: the layers' and the created cache's dtype; None takes the modules' parameter dtype.
-    backend: as ``mla.MLA``'s ("auto" | "torch" | "triton").
-    graphs: run each decode step of the whole model (embeddings to logits) as one CUDA graph a
-        batch bucket (module docstring; docs/PERF.md has the figures); on CPU the same static
-        step runs eagerly. None (the default): on where the cache is on a GPU, the family has no
-        sparse indexer and every decoder layer is MLA; True asks for them anywhere, for a sparse
-        family too (every decode step on the sparse path, the logits as wide as the table: the
-        pool or the model's positions). Refused (ValueError, naming the reason) where the graph
-        cannot hold the step: linear-attention layers (Kimi Linear, GLM-5.3-Flash) keep their
-        state in transformers' Cache, and the k-pool indexer needs host lengths
-        (``strategy.static_sparse_problem``).
-
-    Returns a ``PatchHandle``: ``handle.cache``, ``handle.layers``, ``handle.graphs``,
-    ``handle.release()`` (return the current request's blocks now) and ``handle.unpatch()``
-    (restore the original modules).
-    Raises NotImplementedError (naming the model_type) for a family ``from_hf`` refuses, and
-    ValueError for a model without MLA attention modules, an unusable cache, or ``graphs`` where
-    a graph cannot serve the model.
-    """
-    return PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks,
-                       block_size=block_size, max_workspace_tokens=max_workspace_tokens, graphs=graphs)
-
-
 @dataclasses.dataclass
 class _Step:
     """What every stand-in of one forward shares."""
     batch: Any                  # mla.Batch, or None when no row brings a real token
     index: torch.Tensor | None  # [T] flat rows (b * S + s) of the real tokens; None: all B * S rows
-    # an engine's step (mla.hf_engine): its (request, cached, new) rows, and the whole forward on
+    # an engine's step (mla.hf.engine): its (request, cached, new) rows, and the whole forward on
     # static buffers where it runs there (a pure decode step), returning the model's output
     requests: Any = None
     run: Any = None
@@ -237,14 +206,14 @@ class PatchHandle:
         self._step: _Step | None = None
         self._static = False                   # the static decode step's forward is running
         self._pending: int | None = None
-        # plans the forwards of transformers' continuous-batching engine (set by mla.hf_engine.enable)
+        # plans the forwards of transformers' continuous-batching engine (set by mla.hf.enable)
         self.engine_step = None
+        self.engine = None                     # that engine (mla.hf.engine.Engine), once made
         self._engine_next: _Step | None = None   # the engine's step planned by _forward, for the pre-hook
 
     def _build(self, cache: PagedLatentCache, dtype: torch.dtype, device: torch.device) -> None:
         """The layers on ``cache`` from the original modules' weights, their stand-ins swapped in,
         and the decode step on static buffers where it serves."""
-        from .hf_graph import DecodeStep
 
         layers, stand_ins = [], []
         for i, (name, module) in enumerate(self._sites):
@@ -299,7 +268,10 @@ class PatchHandle:
                 self.model.forward = self._original_forward
             else:
                 vars(self.model).pop("forward", None)
+            # the engine's entry (mla.hf.engine.attach) goes with the patch: transformers' own again
+            vars(self.model).pop("init_continuous_batching", None)
         self._hooks, self._swapped = [], []
+        self.engine_step = self.engine = None
 
     def __enter__(self) -> "PatchHandle":
         return self
@@ -397,7 +369,7 @@ class PatchHandle:
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_cache)
 
     def _enter_static(self, batch) -> None:
-        """The static step's forward is running (``mla.hf_graph``): the stand-ins serve its batch,
+        """The static step's forward is running (``mla.hf.decode_step``): the stand-ins serve its batch,
         the hooks stand aside."""
         self._step, self._static = _Step(batch, None), True
 
@@ -491,14 +463,19 @@ class PatchHandle:
         if past_cache is None:                 # the model made its own Cache (use_cache, no cache given)
             past_cache = getattr(output, "past_key_values", None)
         self._past_cache = past_cache
-        layers = getattr(past_cache, "layers", None)
-        # layers whose length is their keys' length, and nothing else (the indexed layer's indexer
-        # keys stay empty: mla keeps them)
-        self._lengths_only = layers is not None and all(
-            i < len(layers) and type(layers[i]).__name__ in ("DynamicLayer", "DynamicIndexedLayer")
-            for i in self._layer_ids)
+        self._lengths_only = self.counts_lengths(past_cache)
         self._columns, self._pending = self._pending, None
         return None
+
+    def counts_lengths(self, past_cache) -> bool:
+        """Whether transformers' Cache ``past_cache`` holds, for every MLA layer, only what the
+        stand-ins' stubs give it: layers whose length is their keys' length, nothing else (the
+        indexed layer's indexer keys stay empty: mla keeps them), so the static decode step may
+        set those lengths itself."""
+        layers = getattr(past_cache, "layers", None)
+        return layers is not None and all(
+            i < len(layers) and type(layers[i]).__name__ in ("DynamicLayer", "DynamicIndexedLayer")
+            for i in self._layer_ids)
 
     def _reorder_cache(self, past_key_values, beam_idx: torch.Tensor):
         """Beam search: row i continues row beam_idx[i]; forks share blocks copy-on-write."""

@@ -1,10 +1,10 @@
-"""LatentCache: transformers' continuous-batching cache on latent rows (mla.hf_engine's).
+"""LatentCache: transformers' continuous-batching cache on latent rows (``mla.hf.engine``'s).
 
 The engine's ``PagedAttentionCache`` stores K and V of ``num_key_value_heads x head_dim`` a
 token and layer; ``LatentCache`` keeps its block bookkeeping (the engine's ``BlockManager`` and
 a ``FullAttentionCacheAllocator``: allocation, prefix hashes, forks) over one
 ``mla.PagedLatentCache`` of latent rows, turns each step the engine prepares into the patch's
-step (``step``: a pure decode step runs the whole model on static buffers, ``mla.hf_graph``;
+step (``step``: a pure decode step runs the whole model on static buffers, ``mla.hf.decode_step``;
 any other step is one ``mla.Batch`` of the engine's tables for the eager forward), and admits
 a request only with its whole life reserved, so that no running request ever starves and the
 engine never evicts one (``allocate_blocks``).
@@ -14,25 +14,20 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
-from . import quant
-from .cache import PagedLatentCache
-from .graph import DEFAULT_BUCKETS
-from .hf import _graph_problem, _Step
-from .hf_graph import DecodeStep
-from .strategy import absorb_max_new
+from .. import quant
+from ..cache import PagedLatentCache
+from ..graph import DEFAULT_BUCKETS
+from ..strategy import absorb_max_new
+from .decode_step import DecodeStep
+from .patch import PatchHandle, _graph_problem, _Step
 
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_manager import BlockManager, FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
 from transformers.modeling_outputs import CausalLMOutputWithPast
-
-if TYPE_CHECKING:
-    from .hf import PatchHandle
-    from .hf_engine import Engine
 
 __all__ = ["LatentCache", "RequestRefused", "pool_blocks", "DEFAULT_MAX_BATCH_TOKENS"]
 
@@ -80,7 +75,8 @@ class LatentCache(PagedAttentionCache):
     mla reads the rows through the block table), ``copy_cache`` (forks), and the admission
     control of ``allocate_blocks`` / ``compute_max_num_forks`` / ``fork_request`` / ``free_blocks``."""
 
-    def __init__(self, engine: Engine, config, continuous_batching_config, device):
+    def __init__(self, engine, config, continuous_batching_config, device):
+        # engine: the model's mla.hf.engine.Engine (its handle and graphs option)
         handle = engine.handle
         cb, cfg = continuous_batching_config, handle.cfg
         if cb.block_size < self._min_block_size:
@@ -145,8 +141,8 @@ class LatentCache(PagedAttentionCache):
                              "raise max_memory_percent")
         return M, blocks
 
-    def _whole_step(self, engine: Engine, handle: PatchHandle) -> DecodeStep | None:
-        """The model's whole decode step on static buffers (``mla.hf_graph``), one CUDA graph a
+    def _whole_step(self, engine, handle: PatchHandle) -> DecodeStep | None:
+        """The model's whole decode step on static buffers (``mla.hf.decode_step``), one CUDA graph a
         bucket of 1-256 sequences, where ``engine.graphs`` asks for it (None: on a GPU, for
         families without a sparse indexer); ValueError where it was asked for and cannot serve."""
         on = engine.graphs
@@ -311,7 +307,7 @@ class LatentCache(PagedAttentionCache):
                 if self.engine.graphs:
                     raise ValueError(f"graphs: the model's decode step cannot be captured as a CUDA graph ({e}); "
                                      "enable with graphs=None or False") from e
-                warnings.warn(f"mla.hf_engine: the model's decode step cannot be captured as a CUDA graph ({e}); "
+                warnings.warn(f"mla.hf.engine: the model's decode step cannot be captured as a CUDA graph ({e}); "
                               "its decode steps run eagerly", RuntimeWarning, stacklevel=3)
         if self.device.type == "cuda":
             self._sweep(max_rows)

@@ -1,8 +1,12 @@
-"""mla.hf_engine: transformers' own continuous batching on mla's paged latent cache.
+"""Engine: transformers' own continuous batching on mla's paged latent cache.
 
-``enable(handle)`` (beside ``mla.hf.patch``) makes a patched model servable by transformers'
-engine: ``model.generate_batch(...)``, the manager of ``model.init_continuous_batching()`` (add
-requests, stream, cancel) and ``transformers serve`` with continuous batching, which runs on it.
+A patched model is servable by transformers' engine: ``model.generate_batch(...)``, the manager
+of ``model.init_continuous_batching()`` (add requests, stream, cancel) and ``transformers serve``
+with continuous batching, which runs on it. ``mla.hf.patch`` routes the model's
+``init_continuous_batching`` here (``attach``): its first call makes the ``Engine`` with
+``enable``'s defaults, and refuses by name a family the engine cannot serve, before any request
+is queued. ``enable(handle, graphs=...)`` makes it explicitly; ``engine.disable()`` refuses the
+engine's entry until ``enable`` is called again (``handle.unpatch()`` gives transformers' own back).
 
 Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
 
@@ -15,7 +19,7 @@ Who owns what (TensorRT-LLM's, vLLM's and SGLang's split):
   DeepSeek-V3's 128 heads);
 - each forward of the engine, the patched forward asks ``LatentCache.step`` for the step. A pure
   decode step (one new token a request) that a bucket holds runs the whole model, embeddings to
-  logits, on static buffers (``mla.hf_graph.DecodeStep``, as the patch's ``generate`` does): one
+  logits, on static buffers (``mla.hf.decode_step.DecodeStep``, as the patch's ``generate`` does): one
   CUDA graph replay a step, its rows packed on the host from the engine's block tables and
   copied in one transfer. Any other step (prefills, chunked prefills, mixed) runs the model
   eagerly: the engine's block tables and write index (its slot mapping) become one ``mla.Batch``
@@ -40,9 +44,10 @@ otherwise (docs/serving.md says why, one by one).
 from __future__ import annotations
 
 import copy
+import functools
 
-from .hf import PatchHandle, _Step
-from .hf_engine_cache import LatentCache, RequestRefused, pool_blocks
+from .patch import PatchHandle, _Step
+from .engine_cache import LatentCache, RequestRefused, pool_blocks
 
 from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import (
@@ -50,7 +55,8 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
-__all__ = ["enable", "Engine", "LatentBatchingManager", "LatentCache", "RequestRefused", "ATTENTION", "pool_blocks"]
+__all__ = ["attach", "enable", "Engine", "LatentBatchingManager", "LatentCache", "RequestRefused", "ATTENTION",
+           "pool_blocks"]
 
 # The attention implementation the engine's model runs under: a paged name, so the engine builds
 # no attention mask (its size is max_batch_tokens x the whole pool), and one no module calls:
@@ -68,8 +74,26 @@ _REFUSED = dict(use_cuda_graph="its graphs capture the model's forward on the en
 
 
 def _never_called(*args, **kwargs):
-    raise ValueError(f"attn_implementation: {ATTENTION!r} serves only mla's MLA stand-ins (mla.hf_engine); a "
+    raise ValueError(f"attn_implementation: {ATTENTION!r} serves only mla's MLA stand-ins (mla.hf.engine); a "
                      "module of this model called it, which mla does not serve")
+
+
+def attach(handle: PatchHandle) -> None:
+    """Route the patched model's ``init_continuous_batching`` (which ``generate_batch`` and
+    ``transformers serve`` call) to mla's engine, made at its first call with ``enable``'s
+    defaults: the engine's own would build K/V caches that the stand-ins never fill."""
+    handle.model.init_continuous_batching = functools.partial(_first_use, handle)
+
+
+def _first_use(handle: PatchHandle, *args, **kwargs):
+    engine = handle.engine if handle.engine is not None else Engine(handle, graphs=None)
+    return engine.init_continuous_batching(*args, **kwargs)
+
+
+def _disabled(*args, **kwargs):
+    raise ValueError("model: its mla engine was disabled (engine.disable()); call mla.hf.enable(handle) to serve "
+                     "generate_batch and init_continuous_batching on the latent cache again, or handle.unpatch() "
+                     "for transformers' own attention and engine")
 
 
 def enable(handle: PatchHandle, *, graphs: bool | None = None) -> "Engine":
@@ -93,23 +117,32 @@ class Engine:
         if not isinstance(handle, PatchHandle):
             raise ValueError(f"handle: expected the PatchHandle of mla.hf.patch, got {type(handle).__name__}")
         model = handle.model
-        if handle.engine_step is not None or "init_continuous_batching" in vars(model):
-            raise ValueError("handle: expected a patched model not enabled yet, got one enabled already")
+        if not handle._swapped:
+            raise ValueError("handle: its patch was undone (unpatch); patch the model again")
+        if handle.engine is not None:
+            raise ValueError("handle: expected a patched model not enabled yet, got one enabled already "
+                             "(engine.disable() first to enable it with other options)")
         if handle.model_type in ("kimi_linear", "glm5_next_text", "glm5_next"):
             raise ValueError(f"handle: {handle.model_type!r} has linear-attention layers whose recurrent state the "
-                             "engine's paged cache cannot hold; continuous batching serves all-MLA models")
+                             "engine's paged cache cannot hold; continuous batching (generate_batch, "
+                             "init_continuous_batching) serves all-MLA models; generate serves this one")
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
         self.handle, self.model = handle, model
         self.graphs = graphs
         AttentionInterface.register(ATTENTION, _never_called)   # a new name: nothing of transformers changes
         model.init_continuous_batching = self.init_continuous_batching   # this instance only
-        handle.engine_step = self._plan
+        handle.engine_step, handle.engine = self._plan, self
 
     def disable(self) -> None:
-        """Give the model its own ``init_continuous_batching`` back."""
-        vars(self.model).pop("init_continuous_batching", None)
-        self.handle.engine_step = None
+        """Detach the engine: the model's ``init_continuous_batching`` (and ``generate_batch``)
+        then refuse, naming ``mla.hf.enable``, until it is enabled again; transformers' own engine
+        would run the stand-ins on K/V caches they never fill."""
+        if self.handle.engine is not self:
+            return
+        if self.handle._swapped:
+            self.model.init_continuous_batching = _disabled
+        self.handle.engine_step = self.handle.engine = None
 
     def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
                                  continuous_batching_config: ContinuousBatchingConfig | None = None,
