@@ -14,15 +14,18 @@ Random bf16 weights, std 0.5 / sqrt(fan_in), small enough that attention is not 
 peakier random weights bf16 rounding alone parts greedy paths).
 
 transformers runs sdpa attention with a static cache, compiled (its generation default), or
-with --no-compile its dynamic cache eagerly. The patched model runs mla on a paged latent cache
-with ``graphs=False`` (decode steps on the static step, eagerly) and ``graphs=True`` (each
-decode step one CUDA graph, captured in the untimed first generate). Every generate runs twice
-and the second is timed, so no compilation or capture is counted. Reported: decode tokens/s
-(batch x (new - 1) tokens over the time of generate(new) less generate(1), so the prompt is
-not counted), the fractions of generated tokens that agree (transformers against mla's graphs;
-graphs against eager), the patch's host time a decode step (``model.forward`` of a graphed
-step: the packing, the one transfer, the replay's launch), and the graph's replay alone
-(CUDA events, 20 replays) against the step time generate gives.
+with --no-compile its dynamic cache eagerly. The patched model runs mla on a paged latent cache,
+each decode step one CUDA graph (captured in the untimed first generate), twice: under
+transformers' own decode loop (``overlap=False``: the step's inputs prepared in Python and the
+stop flag read back every step) and under mla's loop one step ahead (``overlap=True``, the
+default: ``mla.hf.generate``). --eager adds the patch with ``graphs=False`` (the static step
+run eagerly). Every generate runs twice and the second is timed, so no compilation or capture
+is counted. Reported: decode tokens/s (batch x (new - 1) tokens over the time of
+generate(new) less generate(1), so the prompt is not counted), the fractions of generated
+tokens that agree (transformers against mla; the two loops against each other), the host time
+of a step's ``DecodeStep`` call (packing, the one transfer, the replay's launch) under the
+overlapped loop, the bucket's graph replay alone (CUDA events, 20 replays) and the step time
+each loop gives: a step within the replay's time leaves the GPU no wait.
 
 --host prints only the patch's host time a graphed step, in parts (no transformers run).
 --explain also prints, at batch 1, the decode split counts of the table widths the eager
@@ -91,32 +94,23 @@ def decode_rate(model, ids, mask, new: int, **kw) -> tuple[float, torch.Tensor]:
 
 
 def host_and_replay(model, handle, ids, mask, new: int) -> tuple[float, float]:
-    """The patch's host time a graphed decode step (mean us of its model.forward calls that ran
-    the static step) and the bucket's graph replay alone (ms, CUDA events)."""
-    times = []
-    step = handle._decode_step
+    """The host time of a graphed decode step's DecodeStep call (mean us over one generate) and
+    the bucket's graph replay alone (ms, CUDA events)."""
+    from mla.hf.decode_step import DecodeStep
 
-    def timed(kwargs):
-        t = time.perf_counter()
-        out = step(kwargs)
-        if out is not None:
-            times.append(time.perf_counter() - t)
-        return out
-    graph = handle._decode.graph
-    replays, run = [], graph.run_packed
+    times, call = [], DecodeStep.__call__
 
-    def timed_run(x, n):
+    def timed(self, *args):
         t = time.perf_counter()
-        out = run(x, n)
-        replays.append(time.perf_counter() - t)
+        out = call(self, *args)
+        times.append(time.perf_counter() - t)
         return out
-    handle._decode_step, graph.run_packed = timed, timed_run
+    DecodeStep.__call__ = timed
     try:
         timed_generate(model, ids, mask, new)
     finally:
-        del handle._decode_step, graph.run_packed
-    print(f"    host us a step: the patch {1e6 * sum(times[1:]) / max(len(times) - 1, 1):.0f}, of it run_packed "
-          f"(copies, replay, the logits' copy) {1e6 * sum(replays[1:]) / max(len(replays) - 1, 1):.0f}")
+        DecodeStep.__call__ = call
+    graph = handle._decode.graph
     n = next(b for b in graph.buckets if b >= ids.shape[0])
     g = graph._graphs[n][0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -152,7 +146,8 @@ def host_breakdown(model, B: int, prompt: int, new: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(B)
     ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda", generator=g)
     mask = torch.ones_like(ids)
-    with mla.hf.patch(model, num_blocks=B * ((prompt + new) // 64 + 2), block_size=64, graphs=True) as handle:
+    with mla.hf.patch(model, num_blocks=B * ((prompt + new) // 64 + 2), block_size=64, graphs=True,
+                      overlap=False) as handle:
         timed_generate(model, ids, mask, new)                        # captures
         saved = (DecodeStep.__call__, DecodeStep.set_lengths, mla.PagedLatentCache.append_tokens,
                  mla.StepGraph.run_packed)
@@ -215,7 +210,9 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="transformers with its dynamic cache, eagerly")
     p.add_argument("--explain", action="store_true")
-    p.add_argument("--host", action="store_true", help="only the patch's host time a step, in parts")
+    p.add_argument("--host", action="store_true", help="only the patch's host time a step under transformers' "
+                   "loop, in parts")
+    p.add_argument("--eager", action="store_true", help="also the patch with graphs=False")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("hf_generate: needs a CUDA GPU")
@@ -228,8 +225,10 @@ def main() -> int:
         for B in a.batch:
             host_breakdown(model, B, a.prompt, a.new)
         return 0
-    print(f"{'B':>4} {'transformers':>13} {'mla eager':>10} {'mla graphs':>11} {'graphs/hf':>10} "
-          f"{'same as hf':>11} {'graphs=eager':>13} {'host us/step':>13} {'replay ms':>10} {'step ms':>8}")
+    print(f"{'B':>4} {'transformers':>13} {'mla hf loop':>12} {'mla overlap':>12} {'hf loop/hf':>11} "
+          f"{'overlap/hf':>11} {'same as hf':>11} {'loops same':>11} {'host us':>8} {'replay ms':>10} "
+          f"{'step ms hf loop':>16} {'step ms overlap':>16} {'overlap/replay':>15}"
+          + (f" {'mla eager':>10}" if a.eager else ""))
     hf_kw = {} if a.no_compile else {"cache_implementation": "static"}
     for B in a.batch:
         g = torch.Generator(device="cuda").manual_seed(B)
@@ -237,16 +236,21 @@ def main() -> int:
         mask = torch.ones_like(ids)
         hf_rate, hf_toks = decode_rate(model, ids, mask, a.new, **hf_kw)
         blocks = B * ((a.prompt + a.new) // 64 + 2)
-        with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=False):
-            eager_rate, eager_toks = decode_rate(model, ids, mask, a.new)
+        with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=True, overlap=False):
+            loop_rate, loop_toks = decode_rate(model, ids, mask, a.new)
         with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=True) as handle:
-            graph_rate, graph_toks = decode_rate(model, ids, mask, a.new)
+            rate, toks = decode_rate(model, ids, mask, a.new)
             host_us, replay_ms = host_and_replay(model, handle, ids, mask, a.new)
-        same = (hf_toks == graph_toks).float().mean().item()
-        same_g = (graph_toks == eager_toks).float().mean().item()
-        print(f"{B:>4} {hf_rate:>13.1f} {eager_rate:>10.1f} {graph_rate:>11.1f} {graph_rate / hf_rate:>9.2f}x "
-              f"{same:>11.3f} {same_g:>13.3f} {host_us:>13.0f} {replay_ms:>10.3f} {1e3 * B / graph_rate:>8.3f}",
-              flush=True)
+        extra = ""
+        if a.eager:
+            with mla.hf.patch(model, num_blocks=blocks, block_size=64, graphs=False):
+                extra = f" {decode_rate(model, ids, mask, a.new)[0]:>10.1f}"
+        same = (hf_toks == toks).float().mean().item()
+        same_loops = (loop_toks == toks).float().mean().item()
+        step, loop_step = 1e3 * B / rate, 1e3 * B / loop_rate
+        print(f"{B:>4} {hf_rate:>13.1f} {loop_rate:>12.1f} {rate:>12.1f} {loop_rate / hf_rate:>10.2f}x "
+              f"{rate / hf_rate:>10.2f}x {same:>11.3f} {same_loops:>11.3f} {host_us:>8.0f} {replay_ms:>10.3f} "
+              f"{loop_step:>16.3f} {step:>16.3f} {step / replay_ms:>14.2f}x" + extra, flush=True)
         torch.cuda.empty_cache()
     return 0
 

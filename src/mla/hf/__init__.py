@@ -24,7 +24,7 @@ __all__ = ["patch", "patch_config", "PatchHandle", "enable", "Engine", "LatentBa
 
 def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: torch.dtype | None = None,
           backend: str = "auto", num_blocks: int = 256, block_size: int = 64,
-          max_workspace_tokens: int | None = None, graphs: bool | None = None) -> "PatchHandle":
+          max_workspace_tokens: int | None = None, graphs: bool | None = None, overlap: bool = True) -> "PatchHandle":
     """Swap every MLA attention module of ``model`` (a transformers model of an exact MLA family,
     e.g. ``DeepseekV3ForCausalLM``) for ``mla.MLA`` on one shared ``PagedLatentCache``.
 
@@ -42,6 +42,9 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
         cannot hold the step: linear-attention layers (Kimi Linear, GLM-5.3-Flash) keep their
         state in transformers' Cache, and the k-pool indexer needs host lengths
         (``strategy.static_sparse_problem``).
+    overlap: run ``generate``'s greedy and sampled decoding one step ahead of the GPU on the
+        static step (``mla.hf.generate``: no host read-back between steps, the next step packed
+        while the last one runs); False leaves every step to transformers' own loop.
 
     The model's ``init_continuous_batching`` (``generate_batch``, the engine's manager) runs on
     mla's engine from then on (``mla.hf.engine``; ``enable`` sets its options).
@@ -54,6 +57,7 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     a graph cannot serve the model.
     """
     handle = PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks, block_size=block_size,
-                         max_workspace_tokens=max_workspace_tokens, graphs=graphs)
+                         max_workspace_tokens=max_workspace_tokens, graphs=graphs,
+                         overlap=overlap)
     attach(handle)
     return handle

@@ -58,6 +58,7 @@ from ..config import MLAConfig
 from ..layer import LAYER_DTYPES, MLA
 from ..strategy import static_sparse_problem
 from .decode_step import DecodeStep
+from .generate import OneStepAhead
 
 __all__ = ["PatchHandle", "patch_config"]
 
@@ -145,10 +146,13 @@ def _graph_problem(cfg: MLAConfig, cache: PagedLatentCache) -> str | None:
 class PatchHandle:
     """The patch of one model: its layers, its cache, and the request it is serving."""
 
-    def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens, graphs=None):
+    def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens, graphs=None,
+                 overlap=True):
         cfg, model_type = _configs(model)
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap: expected True or False, got {overlap!r}")
         # GLM-5's, GLM-5.3-Flash's and Hy4's decoder layers take a third output from attention,
         # its top-k, and hand it to the next layer as prev_topk_indices (the shared layers reuse
         # it). The stand-ins return None there: mla's layers share their selection through the
@@ -198,6 +202,11 @@ class PatchHandle:
         self._had_forward = "forward" in vars(model)
         self._original_forward = model.forward
         model.forward = functools.wraps(self._original_forward)(lambda *a, **kw: self._forward(*a, **kw))
+        self._had_generate = "generate" in vars(model)
+        self._original_generate = getattr(model, "generate", None)
+        if self._original_generate is not None:
+            model.generate = functools.wraps(self._original_generate)(lambda *a, **kw: self._generate(*a, **kw))
+        self._loop = OneStepAhead(self) if overlap else None
         self._ids = itertools.count()
         self._seq_ids: list = []               # one mla sequence per batch row of the request
         self._past_cache = None                # the transformers Cache of the request
@@ -264,10 +273,12 @@ class PatchHandle:
         if not self._had_reorder:
             vars(self.model).pop("_reorder_cache", None)
         if self._swapped:
-            if self._had_forward:
-                self.model.forward = self._original_forward
-            else:
-                vars(self.model).pop("forward", None)
+            for name, had, original in (("forward", self._had_forward, self._original_forward),
+                                        ("generate", self._had_generate, self._original_generate)):
+                if had:
+                    setattr(self.model, name, original)
+                else:
+                    vars(self.model).pop(name, None)
             # the engine's entry (mla.hf.engine.attach) goes with the patch: transformers' own again
             vars(self.model).pop("init_continuous_batching", None)
         self._hooks, self._swapped = [], []
@@ -310,6 +321,23 @@ class PatchHandle:
             cache = self.cache = self._decode = None    # the old pool and graphs go before the new ones
             cache = PagedLatentCache(self.cfg, **sizes, dtype=dtype, device=device)
         self._build(cache, dtype, device)
+
+    # ---- generate -----------------------------------------------------------------------
+
+    # generate's arguments whose decoding the one-step-ahead loop leaves to transformers: another
+    # decoding method, its drafts, the tokenizer of stop strings (a custom method does not get it)
+    _OWN_DECODING = ("custom_generate", "assistant_model", "tokenizer", "assistant_tokenizer", "synced_gpus",
+                     "prefix_allowed_tokens_fn", "negative_prompt_ids")
+
+    def _generate(self, *args, **kwargs):
+        """``model.generate``: transformers' own, its greedy and sampled decoding run one step
+        ahead of the GPU where the static decode step serves them (``mla.hf.generate``)."""
+        if (self._loop is not None and self._swapped and self._decode is not None
+                and all(kwargs.get(k) is None for k in self._OWN_DECODING)):
+            kwargs["custom_generate"] = self._loop
+            if kwargs.get("streamer") is not None:
+                kwargs["mla_streamer"] = kwargs["streamer"]
+        return self._original_generate(*args, **kwargs)
 
     # ---- one forward --------------------------------------------------------------------
 
