@@ -213,8 +213,9 @@ def test_never_fits_is_refused():
     manager = model.init_continuous_batching(gen, small)
     with pytest.raises(ValueError, match="can never fit"):
         manager.add_request(prompts([14], 1)[0])
-    for bad in (dict(use_cuda_graph=True), dict(use_async_batching=True), dict(max_blocks_per_request=8),
-                dict(cpu_offload_space=1.0)):
+    # async batching needs CUDA streams: refused for a model on the CPU
+    for bad in (dict(use_cuda_graph=True), dict(max_blocks_per_request=8), dict(cpu_offload_space=1.0),
+                *([dict(use_async_batching=True)] if model.device.type == "cpu" else [])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             model.init_continuous_batching(gen, ContinuousBatchingConfig(**bad))
 
@@ -412,22 +413,36 @@ def test_warm_up_sweep_then_serves_the_same_tokens():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_steps_graphed_on_gpu():
+@pytest.mark.parametrize("use_async", [None, False])
+def test_decode_steps_graphed_on_gpu(use_async):
     """On a GPU (graphs on by default): the pure decode steps replay the whole model's CUDA graph
-    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's.
-    One dense layer: transformers' float32 grouped MoE cannot be captured on the H200
+    of their bucket, the other steps run eagerly; float32 tokens equal the unpatched generate's,
+    with the engine's async double-buffering (on by default: step N+1 launched before step N's
+    tokens are read, requests ending while the next step is in flight) and without. One dense
+    layer: transformers' float32 grouped MoE cannot be captured on the H200
     (test_uncapturable_model_decodes_eagerly)."""
     model = make_model("deepseek_v3", num_hidden_layers=1).cuda()
-    ps = prompts([7, 20, 5, 11], 0)
-    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
-            for p in ps]
+    ps = prompts([7, 20, 5, 11, 3, 16], 0)
+    budgets = [8, 3, 8, 5, 2, 8]         # requests end at different steps, with others running
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p, n in zip(ps, budgets)]
     handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
     mla.hf.enable(handle)
     steps = Steps(handle)
-    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16)
-    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
-                               continuous_batching_config=config)
-    assert [o.generated_tokens for o in out.values()] == refs
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64, max_batch_tokens=16,
+                                      use_async_batching=use_async)
+    manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+                                             config)
+    assert manager.batch_processor.use_async_batching is (use_async is None)
+    manager.start()
+    try:
+        for i, (p, n) in enumerate(zip(ps, budgets)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        done = finished(manager, len(ps))
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [done[f"r{i}"] for i in range(len(ps))] == refs
+    assert manager.cache.get_num_free_blocks() == manager.cache.num_blocks
     decode = [k == {"decode"} for k in steps.kinds()]
     assert sum(decode) >= 4 and steps.graphed == decode
 

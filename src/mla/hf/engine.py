@@ -36,15 +36,19 @@ with ``RequestRefused`` (a ValueError) when it is added.
 One patched model serves one thing at a time: while a manager runs, the patch's plain
 ``generate`` must not (both drive the same stand-ins).
 
-Where the engine is not extended but configured: its own CUDA graphs, torch.compile paths, async
-double-buffering, decode fast path (a flash-attention block table) and CPU offloading assume K/V
-tensors and a step re-run from captured inputs; they are refused when asked for and off
-otherwise (docs/serving.md says why, one by one).
+On a GPU the engine's async double-buffering is on by default (``_latent_config``): step N+1
+is prepared and launched before step N's tokens are read back, so the host's scheduling and
+packing run under the GPU's step. Where the engine is not extended but configured: its own CUDA
+graphs, torch.compile paths, decode fast path (a flash-attention block table) and CPU
+offloading assume K/V tensors and a step re-run from captured inputs; they are refused when
+asked for and off otherwise (docs/serving.md says why, one by one).
 """
 from __future__ import annotations
 
 import copy
 import functools
+
+import torch
 
 from .patch import PatchHandle, _Step
 from .engine_cache import LatentCache, RequestRefused, pool_blocks
@@ -65,9 +69,6 @@ ATTENTION = "paged|mla_latent"
 # What the engine's own paths need that a latent cache does not provide (docs/serving.md)
 _REFUSED = dict(use_cuda_graph="its graphs capture the model's forward on the engine's padded inputs; mla's pure "
                                 "decode steps replay a graph of their own (enable's graphs)",
-                use_async_batching="it overlaps step N+1's host work and transfers with step N on CUDA streams "
-                                   "of its own, which mla's steps (host-built tables and packed rows) are not "
-                                   "validated under",
                 varlen_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 decode_compile_config="torch.compile of the whole forward is not supported with mla's stand-ins",
                 cpu_offload_space="admission reserves every request's blocks, so nothing is ever offloaded")
@@ -163,7 +164,7 @@ class Engine:
         if gen.eos_token_id is None:
             gen.eos_token_id = -1     # the engine's convention for "no EOS"
         cb = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
-        manager = LatentBatchingManager(self, gen, _latent_config(cb), workload_hints)
+        manager = LatentBatchingManager(self, gen, _latent_config(cb, self.handle.device), workload_hints)
         if workload_hints is not None:
             manager.check_fits(workload_hints.max_prompt_length, workload_hints.max_generated_length)
         return manager
@@ -175,12 +176,19 @@ class Engine:
         return paged.step(kwargs)
 
 
-def _latent_config(cb: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
-    """A copy of the user's config with the engine's K/V-only paths off; ValueError where one was asked for."""
+def _latent_config(cb: ContinuousBatchingConfig, device: torch.device) -> ContinuousBatchingConfig:
+    """A copy of the user's config with the engine's K/V-only paths off (ValueError where one was
+    asked for) and its async double-buffering on where the model is on a GPU, unless asked off:
+    the engine prepares and launches step N+1 before it reads step N's tokens back (their ids
+    reach step N+1 on the device), so the GPU runs steps back to back. mla's steps build their
+    rows on the host from the engine's tables at the forward (known when the step is scheduled)
+    and copy them on the compute stream; a request that finishes at N's update has had its token
+    of N+1 computed and dropped, its rows written before any later step reuses its blocks (one
+    stream orders them), and admission reserves that one extra row (``_lifetime_blocks``)."""
     if not isinstance(cb, ContinuousBatchingConfig):
         raise ValueError(f"continuous_batching_config: expected a ContinuousBatchingConfig, got {type(cb).__name__}")
     asked = dict(use_cuda_graph=cb.use_cuda_graph not in (None, False, (False, False)),
-                 use_async_batching=bool(cb.use_async_batching), varlen_compile_config=cb.varlen_compile_config,
+                 varlen_compile_config=cb.varlen_compile_config,
                  decode_compile_config=cb.decode_compile_config, cpu_offload_space=cb.cpu_offload_space)
     for name, value in asked.items():
         if value:
@@ -193,8 +201,13 @@ def _latent_config(cb: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
     if cb.default_compile_level:
         raise ValueError(f"continuous_batching_config.default_compile_level: expected 0 (no torch.compile of the "
                          f"forward with mla's stand-ins), got {cb.default_compile_level}")
+    on_gpu = torch.device(device).type == "cuda"
+    if cb.use_async_batching and not on_gpu:
+        raise ValueError(f"continuous_batching_config.use_async_batching: its double-buffering runs on CUDA streams; "
+                         f"the model is on {device}. Expected None or False, got {cb.use_async_batching!r}")
     cb = copy.deepcopy(cb)
-    cb.use_cuda_graph, cb.use_async_batching, cb.max_blocks_per_request = False, False, 0
+    cb.use_cuda_graph, cb.max_blocks_per_request = False, 0
+    cb.use_async_batching = on_gpu if cb.use_async_batching is None else bool(cb.use_async_batching)
     return cb
 
 

@@ -169,9 +169,10 @@ class LatentCache(PagedAttentionCache):
                              f"than the cache's {self.num_blocks}; the request can never fit")
 
     def _lifetime_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
-        # rows written: the prompt and every generated token but the last; +1: the engine's
-        # scheduler allocates up to one block ahead
-        return -(-(prompt_tokens + max(new_tokens - 1, 0)) // self.block_size) + 1
+        # rows written: the prompt and every generated token (the last one's row too: async
+        # batching schedules the step after a request's last token before it reads that token);
+        # +1: the engine's scheduler allocates up to one block ahead
+        return -(-(prompt_tokens + new_tokens) // self.block_size) + 1
 
     # ---- admission: a request is admitted with its whole life reserved ----------------------
 
