@@ -20,8 +20,14 @@ are reported with its eager steps (``eager.compiled``: kernel and integer conste
 ``--warmup full|short`` adds an untimed pass of the trace (or of 4 new tokens a request) before
 the timed runs.
 
-Reported per run: output tokens/s, TTFT and TPOT (time per output token after the first)
-p50/p99, peak GPU memory, the most sequences in one step, how many steps ran the whole model as
+The engine runs with its async double-buffering (on by default on a GPU: step N+1 launched
+before step N's tokens are read back) and without, each trace in each mode
+(``--async-batching both``), so the two stand side by side from one process.
+
+Reported per run: request and output-token throughput, TTFT, TPOT (a request's time per output
+token after its first) and ITL (the gaps between consecutive tokens of a request, pooled over
+all requests) as mean / p50 / p99 (the Poisson run's over the requests after the first
+``--poisson-skip``, past the ramp-up while the pool fills), peak GPU memory, the most sequences in one step, how many steps ran the whole model as
 one graph (pure decode steps, ``graphed_steps``), and where the loop's time goes: the engine's
 host work (scheduling, batch tensors, updates), the model's forward call of the other steps
 (its host work, and the GPU wherever the forward waits on it: a pageable host-to-device copy
@@ -184,8 +190,13 @@ def variant(fn, key=None, signature=None, device=None, constexprs=None, *rest) -
     return getattr(fn, "__name__", "?") + "(" + ",".join(f"{k}={v}" for k, v in ints.items()) + ")"
 
 
-def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
-    """Serve reqs [(prompt, new_tokens)] with request i added at arrivals[i] seconds."""
+def latency(xs) -> dict:
+    return dict(mean=sum(xs) / len(xs) if xs else float("nan"), p50=percentile(xs, 50), p99=percentile(xs, 99))
+
+
+def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None, skip: int = 0):
+    """Serve reqs [(prompt, new_tokens)] with request i added at arrivals[i] seconds; latencies
+    over the requests after the first ``skip``."""
     gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**cb_kw))
     probe = Probe(manager, handle, profile_step)
@@ -229,12 +240,15 @@ def run_engine(model, handle, reqs, arrivals, cb_kw, device, profile_step=None):
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
     tokens = sum(len(o.generated_tokens) for o in outs.values())
     assert tokens == sum(n for _, n in reqs), "a request ended early"
-    ttft = [o.timestamps[0] - o.created_time for o in outs.values()]
-    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs.values()
-            if len(o.timestamps) > 1]
+    kept = [outs[f"r{i}"] for i in range(skip, len(reqs))]
+    ttft = [o.timestamps[0] - o.created_time for o in kept]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in kept if len(o.timestamps) > 1]
+    itl = [b - a for o in kept for a, b in zip(o.timestamps, o.timestamps[1:])]
+    ttft, tpot, itl = latency(ttft), latency(tpot), latency(itl)
     return dict(seconds=elapsed, output_tokens=tokens, tokens_per_s=tokens / elapsed,
-                ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
-                tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
+                requests_per_s=len(reqs) / elapsed, latencies_over=len(kept),
+                ttft=ttft, tpot=tpot, itl=itl, ttft_p50=ttft["p50"], ttft_p99=ttft["p99"],
+                tpot_p50=tpot["p50"], tpot_p99=tpot["p99"],
                 peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else None,
                 most_in_flight=probe.max_seqs, steps=probe.steps, graphed_steps=probe.graphed,
                 decode_step_host_ms=1e3 * probe.t["decode_forward_host"] / max(probe.graphed, 1),
@@ -295,6 +309,10 @@ def main(argv=None):
                          "tokens a request (the manager's own warm-up runs at each start in any case)")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="run the all-at-once run's k-th eager (prefill or mixed) forward under torch.profiler")
+    ap.add_argument("--async-batching", choices=("on", "off", "both"), default="both",
+                    help="the engine's async double-buffering (use_async_batching); both: each run in each mode")
+    ap.add_argument("--poisson-skip", type=int, default=32,
+                    help="the Poisson run's first requests left out of its latencies (the ramp-up)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -328,19 +346,27 @@ def main(argv=None):
         report["warmup_pass"] = run_engine(model, handle, warm, [0.0] * len(reqs), cb_kw, device)["eager"]
         report["warmup_s"] = time.perf_counter() - t0
         print("warmup", report["warmup_s"], flush=True)
-    report["all_at_once"] = run_engine(model, handle, reqs, [0.0] * len(reqs), cb_kw, device, args.profile_step)
-    print("all_at_once", report["all_at_once"], flush=True)
-    save(report, args.out)
-    if args.poisson > 0:
-        rate = args.poisson * len(reqs) / report["all_at_once"]["seconds"]
-        rng = random.Random(args.seed + 1)
-        arrivals, t = [], 0.0
-        for _ in reqs:
-            arrivals.append(t)
-            t += rng.expovariate(rate)
-        report["poisson"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, cb_kw, device))
-        print("poisson", report["poisson"], flush=True)
+    modes = dict(on=[True], off=[False], both=[False, True])[args.async_batching]
+    if args.tiny:
+        modes = [False]      # double-buffering needs CUDA streams
+    for use_async in modes:
+        kw, tag = dict(cb_kw, use_async_batching=use_async), "async" if use_async else "sync"
+        run = report[f"all_at_once_{tag}"] = run_engine(model, handle, reqs, [0.0] * len(reqs), kw, device,
+                                                        args.profile_step)
+        print(f"all_at_once_{tag}", run, flush=True)
         save(report, args.out)
+        if args.poisson > 0:
+            rate = args.poisson * len(reqs) / run["seconds"]
+            rng = random.Random(args.seed + 1)
+            arrivals, t = [], 0.0
+            for _ in reqs:
+                arrivals.append(t)
+                t += rng.expovariate(rate)
+            report[f"poisson_{tag}"] = dict(rate_per_s=rate, **run_engine(model, handle, reqs, arrivals, kw, device,
+                                                                          skip=min(args.poisson_skip, len(reqs) - 1)))
+            print(f"poisson_{tag}", report[f"poisson_{tag}"], flush=True)
+            save(report, args.out)
+    report["all_at_once"] = report[f"all_at_once_{'async' if modes[-1] else 'sync'}"]
     static = []
     for b in map(int, args.static_batches.split(",")):
         try:     # twice: the first run compiles and captures what this batch size needs
@@ -354,6 +380,10 @@ def main(argv=None):
         save(report, args.out)
     report["static"] = static
     best = max((s for s in static if "tokens_per_s" in s), key=lambda s: s["tokens_per_s"])
+    for tag in ("sync", "async"):
+        if f"all_at_once_{tag}" in report:
+            report[f"speedup_all_at_once_{tag}_vs_best_static"] = (report[f"all_at_once_{tag}"]["tokens_per_s"]
+                                                                   / best["tokens_per_s"])
     report["speedup_all_at_once_vs_best_static"] = report["all_at_once"]["tokens_per_s"] / best["tokens_per_s"]
     report["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(report, indent=1))

@@ -945,4 +945,9 @@ def test_serve_benchmark_tiny_run_reports_each_run(tmp_path):
     assert trace["prompt_tokens"] <= run["eager"]["tokens"] < trace["prompt_tokens"] + trace["output_tokens"]
     assert run["eager"]["steps"] + run["graphed_steps"] == run["steps"] and run["graphed_steps"] > 0
     assert run["profile"].startswith("eager step 1:") and "aten::" in run["profile"]
-    assert "poisson" not in report and report["static"][0]["batch"] == 4
+    assert not any(k.startswith("poisson") for k in report) and report["static"][0]["batch"] == 4
+    assert report["all_at_once_sync"] is not None and "all_at_once_async" not in report   # CPU: no streams
+    for key in ("ttft", "tpot", "itl"):
+        lat = run[key]
+        assert 0 < lat["p50"] <= lat["p99"] and lat["mean"] > 0
+    assert run["requests_per_s"] > 0 and run["latencies_over"] == 12
