@@ -311,6 +311,8 @@ def main(argv=None):
                     help="run the all-at-once run's k-th eager (prefill or mixed) forward under torch.profiler")
     ap.add_argument("--async-batching", choices=("on", "off", "both"), default="both",
                     help="the engine's async double-buffering (use_async_batching); both: each run in each mode")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="mla.hf.enable's prefill_tokens: prompt tokens a step takes beside the decoding requests")
     ap.add_argument("--poisson-skip", type=int, default=32,
                     help="the Poisson run's first requests left out of its latencies (the ramp-up)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU: checks the script runs")
@@ -325,12 +327,12 @@ def main(argv=None):
     # the patch's own cache serves the static batches: the widest batch of the longest requests
     blocks = max(map(int, args.static_batches.split(","))) * -(-longest // bs) + 8
     handle = mla.hf.patch(model, num_blocks=blocks, block_size=bs)
-    mla.hf.enable(handle, graphs=dict(auto=None, on=True, off=False)[args.graphs])
+    mla.hf.enable(handle, graphs=dict(auto=None, on=True, off=False)[args.graphs], prefill_tokens=args.prefill_tokens)
     cb_kw = dict(block_size=bs, max_batch_tokens=args.max_batch_tokens,
                  max_memory_percent=args.memory, allow_block_sharing=False)
     if args.tiny:
         cb_kw.update(num_blocks=4096, max_batch_tokens=64)
-    report = dict(model=dict(layers=args.layers, heads=model.config.num_attention_heads,
+    report = dict(prefill_tokens=args.prefill_tokens, model=dict(layers=args.layers, heads=model.config.num_attention_heads,
                              hidden=model.config.hidden_size, dtype=str(model.dtype)),
                   trace=dict(requests=len(reqs), seed=args.seed, prompt_tokens=sum(len(p) for p, _ in reqs),
                              output_tokens=sum(n for _, n in reqs)))

@@ -511,3 +511,26 @@ def test_uncapturable_model_decodes_eagerly():
     mla.hf.enable(handle, graphs=True)
     with pytest.raises(ValueError, match="graphs: the model's decode step cannot be captured"):
         model.generate_batch(ps, gen, continuous_batching_config=config)
+
+
+def test_prefill_tokens_keep_decode_steps_short():
+    """enable(prefill_tokens=3): while requests decode, a step takes at most 3 prompt tokens beside
+    their one token each (a long prompt arriving is chunked), the tokens are generate's; a step
+    with nothing decoding still fills max_batch_tokens."""
+    model = make_model("deepseek_v3")
+    ps = prompts([5, 6, 30, 4], seed=8)
+    refs = [reference(model, p, 8) for p in ps]
+    handle = mla.hf.patch(model, num_blocks=16, block_size=BLOCK)
+    mla.hf.enable(handle, graphs=False, prefill_tokens=3)
+    steps = Steps(handle)
+    out = model.generate_batch(ps, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+                               continuous_batching_config=ContinuousBatchingConfig(block_size=BLOCK, num_blocks=64,
+                                                                                   max_batch_tokens=16))
+    assert [o.generated_tokens for o in out.values()] == refs
+    steps.check_continuous()
+    mixed = [s for s in steps.steps if any(n == 1 and c > 0 for _, c, n in s)]
+    assert mixed and all(sum(n for _, c, n in s if not (n == 1 and c > 0)) <= 3 for s in mixed)
+    assert sum(n for _, _, n in steps.steps[0]) == 16      # the first step: prompts only, the whole budget
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_tokens"):
+            mla.hf.enable(mla.hf.patch(make_model("deepseek_v3"), num_blocks=16, block_size=BLOCK), prefill_tokens=bad)

@@ -57,6 +57,7 @@ from transformers import AttentionInterface, ContinuousBatchingConfig, Generatio
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager, ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
+from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
 __all__ = ["attach", "enable", "Engine", "LatentBatchingManager", "LatentCache", "RequestRefused", "ATTENTION",
@@ -97,24 +98,29 @@ def _disabled(*args, **kwargs):
                      "for transformers' own attention and engine")
 
 
-def enable(handle: PatchHandle, *, graphs: bool | None = None) -> "Engine":
+def enable(handle: PatchHandle, *, graphs: bool | None = None, prefill_tokens: int | None = None) -> "Engine":
     """Serve ``handle.model`` (patched by ``mla.hf.patch``) through transformers' continuous
     batching: after this, ``model.generate_batch``, ``model.init_continuous_batching`` and
     ``transformers serve`` run on a latent cache. ``graphs``: run pure decode steps as the whole
     model on static buffers, one CUDA graph a bucket of 1-256 requests (on CPU the same static
     step, eagerly); None: on a GPU, for families without a sparse indexer (as ``patch``); True
     for a sparse family too, refused (ValueError when the manager is made) for the k-pool
-    indexer, which needs host lengths. Returns the ``Engine``; ``engine.disable()`` (or ``handle.unpatch()``
+    indexer, which needs host lengths. ``prefill_tokens``: the prompt tokens a step takes beside
+    the requests decoding (transformers' FIFO schedules those first, then prompts and chunks in
+    the rest of ``max_batch_tokens``): a long prompt is chunked to this many tokens a step while
+    others decode, so their steps stay short and regular; None: the rest of ``max_batch_tokens``
+    (transformers' rule). A step with nothing decoding takes ``max_batch_tokens`` of prompts
+    either way. Returns the ``Engine``; ``engine.disable()`` (or ``handle.unpatch()``
     then a new patch) restores the model's own method.
     Raises ValueError for a model enabled already, or a family whose other layers keep state the
     engine cannot page (Kimi Linear's and GLM-5.3-Flash's linear attention)."""
-    return Engine(handle, graphs=graphs)
+    return Engine(handle, graphs=graphs, prefill_tokens=prefill_tokens)
 
 
 class Engine:
     """The link between one patched model and the engine's managers it creates."""
 
-    def __init__(self, handle: PatchHandle, *, graphs: bool | None):
+    def __init__(self, handle: PatchHandle, *, graphs: bool | None, prefill_tokens: int | None = None):
         if not isinstance(handle, PatchHandle):
             raise ValueError(f"handle: expected the PatchHandle of mla.hf.patch, got {type(handle).__name__}")
         model = handle.model
@@ -129,8 +135,11 @@ class Engine:
                              "init_continuous_batching) serves all-MLA models; generate serves this one")
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
+        if prefill_tokens is not None and (isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int)
+                                           or prefill_tokens < 1):
+            raise ValueError(f"prefill_tokens: expected a positive int or None, got {prefill_tokens!r}")
         self.handle, self.model = handle, model
-        self.graphs = graphs
+        self.graphs, self.prefill_tokens = graphs, prefill_tokens
         AttentionInterface.register(ATTENTION, _never_called)   # a new name: nothing of transformers changes
         model.init_continuous_batching = self.init_continuous_batching   # this instance only
         handle.engine_step, handle.engine = self._plan, self
@@ -255,6 +264,8 @@ class LatentBatchingManager(ContinuousBatchingManager):
         if scheduler is None:
             raise ValueError(f"continuous_batching_config.scheduler_type: expected one of {sorted(SCHEDULER_MAPPING)}, "
                              f"got {cb.scheduler_type!r}")
+        if self.engine.prefill_tokens is not None:
+            scheduler = _decode_regular(scheduler, self.engine.prefill_tokens)
         scheduler = scheduler(cache=cache, safety_margin=cb.safety_margin, max_requests_per_batch=cb.max_requests_per_batch)
         cache.scheduler = scheduler
         return ContinuousBatchProcessor(
@@ -314,3 +325,18 @@ class LatentBatchingManager(ContinuousBatchingManager):
         return super().add_requests(inputs, max_new_tokens, *args, **kwargs)
 
 
+
+
+def _decode_regular(scheduler: type, prefill_tokens: int) -> type:
+    """The engine's scheduler class with a step's token budget cut, while requests decode, to
+    their one token each plus ``prefill_tokens`` (``enable``'s)."""
+
+    class DecodeRegular(scheduler):
+        def schedule_batch(self, token_budget: int, cache_budget: int):
+            decoding = sum(s.status == RequestStatus.DECODING for s in self.active_requests.values())
+            if decoding:
+                token_budget = min(token_budget, decoding + prefill_tokens)
+            return super().schedule_batch(token_budget, cache_budget)
+
+    DecodeRegular.__name__ = f"DecodeRegular{scheduler.__name__}"
+    return DecodeRegular
