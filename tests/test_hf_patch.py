@@ -422,3 +422,65 @@ def test_graphs_on_gpu(case, monkeypatch):
         monkeypatch.setattr(type(handle._decode), "__call__", no_sync)
         assert [greedy(model, ids, mask).tolist() for ids, mask in requests] == refs
         assert steps.count(True) == 2 * (NEW_TOKENS - 1)
+
+
+def test_patched_model_saves_and_loads_as_unpatched(tmp_path):
+    """The stand-ins hold the original modules' tensors: the patched model's state_dict is the
+    unpatched one's, save_pretrained writes a checkpoint that loads, and load_state_dict of other
+    weights reaches mla's layers at the next forward."""
+    model, other = make_model("deepseek_v3"), make_model("deepseek_v3", seed=1)
+    ids, mask = prompts(2, seed=2)
+    keys = list(model.state_dict())
+    ref = other(input_ids=ids, attention_mask=mask).logits
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        assert list(model.state_dict()) == keys
+        model.save_pretrained(tmp_path)
+        model.load_state_dict(other.state_dict())
+        real = mask.bool()
+        assert ((model(input_ids=ids, attention_mask=mask).logits - ref)[real].abs().max()
+                <= LOGIT_TOL * ref[real].abs().max())
+    loaded = type(model).from_pretrained(tmp_path).float().eval()
+    assert ((loaded(input_ids=ids, attention_mask=mask).logits - logits)[real].abs().max()
+            <= LOGIT_TOL * logits[real].abs().max())
+
+
+def test_equal_requests_leave_equal_caches():
+    """transformers' Cache of a patched request holds zero stubs: two equal requests compare equal."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        a = greedy(model, ids, mask, return_dict_in_generate=True).past_key_values
+        b = greedy(model, ids, mask, return_dict_in_generate=True).past_key_values
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def test_training_and_output_attentions_refused_by_name():
+    """mla serves inference: backward through its attention, gradient checkpointing and
+    attention dropout in training mode, and output_attentions raise NotImplementedError naming
+    them; a training-mode forward without them runs as eval's."""
+    model = make_model("deepseek_v3")
+    ids, mask = prompts(2, seed=2)
+    with mla.hf.patch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        with pytest.raises(NotImplementedError, match="output_attentions"):
+            model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        model.config.output_attentions = True
+        with pytest.raises(NotImplementedError, match="output_attentions"):
+            model(input_ids=ids, attention_mask=mask)
+        model.config.output_attentions = False
+        with torch.no_grad():
+            ref = model(input_ids=ids, attention_mask=mask).logits
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask)
+        assert torch.equal(out.logits, ref)
+        with pytest.raises(NotImplementedError, match="training: .*backward"):
+            out.logits.sum().backward()
+        model.gradient_checkpointing_enable()
+        with pytest.raises(NotImplementedError, match="training: gradient checkpointing"):
+            model(input_ids=ids, attention_mask=mask)
+    dropping = make_model("deepseek_v3", attention_dropout=0.1)
+    with mla.hf.patch(dropping, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
+        dropping(input_ids=ids, attention_mask=mask)          # eval: no dropout to apply
+        with pytest.raises(NotImplementedError, match="training: attention_dropout"):
+            dropping.train()(input_ids=ids, attention_mask=mask)

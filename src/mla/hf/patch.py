@@ -38,10 +38,16 @@ steps give the same tokens.
 Static (compileable) caches and 4-D masks are refused: their masks do not say which tokens are
 padding, and mla holds the K/V those caches would preallocate.
 
-The patched layers follow the model: after ``model.to(dtype)`` or ``model.to(device)`` the next
-forward rebuilds them (and the cache the patch made, and the graphs) in the model's new dtype
-and device, from the original modules, which move alike (so ``unpatch`` restores a model in
-its new dtype). The current request is released then.
+The stand-ins hold the original modules' tensors under their names, so the patched model's
+``state_dict`` and ``save_pretrained`` are the unpatched model's. The patched layers follow the
+model: after ``model.to(dtype)`` or ``model.to(device)``, or an in-place change of those tensors
+(``load_state_dict``), the next forward rebuilds them (and the cache the patch made, and the
+graphs) from the original modules, in the model's dtype and device (so ``unpatch`` restores a
+model in its new dtype). The current request is released then.
+
+Training is refused by name: backward through a stand-in raises (mla's layers hold copies of
+the weights), and so does a training-mode forward with gradient checkpointing or attention
+dropout; so is ``output_attentions`` (mla's kernels never form the attention weights).
 """
 from __future__ import annotations
 
@@ -79,27 +85,54 @@ class _Step:
     run: Any = None
 
 
-class _MLAAttention(nn.Module):
-    """Stands in for one transformers MLA attention module: same call, ``(output, None)`` back."""
+class _NoBackward(torch.autograd.Function):
+    """The stand-in's output ``y`` where autograd records its input ``x`` (mla's layer itself
+    records nothing): backward through mla's attention raises instead of passing no gradient."""
 
-    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int):
+    @staticmethod
+    def forward(ctx, y, x):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("training: mla.hf.patch serves inference; backward through mla's attention is "
+                                  "not implemented (its weights are mla's copies of the module's): train unpatched")
+
+
+class _MLAAttention(nn.Module):
+    """Stands in for one transformers MLA attention module: same call, ``(output, None)`` back.
+
+    It holds the original module's parameters, buffers and submodules (the same objects, under
+    the same names), so the patched model's ``state_dict``, ``save_pretrained`` and ``parameters``
+    are the unpatched model's and ``model.to`` moves them; its ``mla.MLA`` layer is not registered
+    and follows them (``PatchHandle._follow_model``)."""
+
+    def __init__(self, handle: "PatchHandle", layer: MLA, hf_layer_idx: int, original: nn.Module):
         super().__init__()
-        self.mla = layer
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            vars(self)[name] = vars(original)[name]
         self.layer_idx = hf_layer_idx          # the module's index in transformers' Cache
-        self._handle = [handle]                # a list, so nn.Module does not register it
+        self._handle, self._layer = [handle], [layer]   # lists, so nn.Module does not register them
+
+    @property
+    def mla(self) -> MLA:
+        return self._layer[0]
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
         step = self._handle[0]._current_step()
         B, S, D = hidden_states.shape
         if past_key_values is not None:
-            # Lengths only: one uint8 per token keeps get_seq_length right without storing K/V.
-            stub = torch.empty((B, 1, S, 1), dtype=torch.uint8, device=hidden_states.device)
+            # Lengths only: one uint8 per token keeps get_seq_length right without storing K/V;
+            # zeros, so that the caches of two equal requests compare equal.
+            stub = torch.zeros((B, 1, S, 1), dtype=torch.uint8, device=hidden_states.device)
             past_key_values.update(stub, stub, self.layer_idx)
         out = hidden_states.new_zeros(B * S, D) if step.index is not None or step.batch is None else None
         if step.batch is not None:
             x = hidden_states.reshape(B * S, D)
             x = x if step.index is None else x[step.index]
             y = self.mla(x.to(self.mla.dtype).contiguous(), step.batch).to(hidden_states.dtype)
+            if x.requires_grad:
+                y = _NoBackward.apply(y, x)
             if step.index is None:
                 out = y
             else:
@@ -229,11 +262,12 @@ class PatchHandle:
             layer = MLA(self.cfg, layer_idx=i, dtype=dtype, device=device, backend=self._backend, **self._kw)
             layer.load_hf_state_dict({k: v.detach() for k, v in module.state_dict().items()}, prefix="")
             layers.append(layer)
-            stand_ins.append(_MLAAttention(self, layer, getattr(module, "layer_idx", i)))
+            stand_ins.append(_MLAAttention(self, layer, getattr(module, "layer_idx", i), module))
         # Swap only once every layer has loaded: a failed load leaves the model as it was.
         for parent, (name, _), stand_in in zip(self._parents, self._sites, stand_ins):
             setattr(parent, name.rpartition(".")[2], stand_in)   # ModuleList children by their string index too
         self.cache, self.layers, self.dtype, self.device = cache, layers, dtype, torch.device(device)
+        self._built = self._versions()         # the weights the layers hold
         self._layer_ids = [m.layer_idx for m in stand_ins]
         graphs = self._graphs_arg
         problem = _graph_problem(self._family_cfg, cache)
@@ -297,11 +331,17 @@ class PatchHandle:
                              "builds the step)")
         return self._step
 
-    def _follow_model(self) -> None:
-        """Rebuild the layers (and the cache the patch made) where ``model.to`` moved or cast
-        their parameters since the last forward (module docstring)."""
-        w = self.layers[0].w_a
-        if w.dtype == self.dtype and w.device == self.device:
+    def _versions(self) -> tuple[int, ...]:
+        """The in-place version counters of the original modules' tensors (``load_state_dict``
+        bumps them)."""
+        return tuple(t._version for _, m in self._sites for t in itertools.chain(m.parameters(), m.buffers()))
+
+    def _follow_model(self, values: bool = False) -> None:
+        """Rebuild the layers (and the cache the patch made) where ``model.to`` moved or cast the
+        original modules' parameters since the last forward or, with ``values`` (a forward's
+        pre-hook, not a decode step), where their values changed in place (module docstring)."""
+        w = next(self._sites[0][1].parameters())
+        if w.dtype == self.dtype and w.device == self.device and not (values and self._versions() != self._built):
             return
         dtype, device = w.dtype, w.device
         if dtype not in LAYER_DTYPES:
@@ -313,8 +353,6 @@ class PatchHandle:
                              f"given to patch holds {self.cache.dtype} rows on {self.cache.device}: unpatch, and patch "
                              "again with a cache of the model's dtype and device (or no cache: patch makes one)")
         self.release()
-        for _, module in self._sites:
-            module.to(device=device, dtype=dtype)
         cache = self.cache
         if self._own_cache:
             sizes = dict(num_layers=cache.num_layers, num_blocks=cache.num_blocks, block_size=cache.block_size)
@@ -413,7 +451,8 @@ class PatchHandle:
             step, self._engine_next = self._engine_next, None
             self._step = step if step is not None else self.engine_step(kwargs)
             return None
-        self._follow_model()
+        self._follow_model(values=True)
+        self._refuse_unserved(module, kwargs)
         if self._decode is not None:
             self._decode.check_pending()       # the last decode step's mask, now that the host waits anyway
             self._decode.invalidate()
@@ -480,6 +519,20 @@ class PatchHandle:
         self._columns = None                   # set again when the forward completes
         self._pending = past + S
         return None
+
+    def _refuse_unserved(self, decoder, kwargs) -> None:
+        """What the stand-ins do not serve, refused by name before anything runs (docs/hf.md)."""
+        if kwargs.get("output_attentions", getattr(getattr(decoder, "config", None), "output_attentions", False)):
+            raise NotImplementedError("output_attentions: mla's attention does not return its weights (its kernels "
+                                      "never form the softmax matrix); call without output_attentions")
+        if decoder.training and torch.is_grad_enabled():
+            if getattr(self.model, "is_gradient_checkpointing", False):
+                raise NotImplementedError("training: gradient checkpointing recomputes the attention in backward, "
+                                          "which mla does not implement; mla.hf.patch serves inference (model.eval())")
+            dropout = getattr(self._sites[0][1], "attention_dropout", 0.0)
+            if dropout:
+                raise NotImplementedError(f"training: attention_dropout={dropout} in training mode; mla's attention "
+                                          "has no dropout, it serves inference (model.eval())")
 
     def _end_step(self, module, args, kwargs, output):
         if self._static:
