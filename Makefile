@@ -11,7 +11,7 @@ DEPS := torch==2.13.0 "numpy<2.4" triton==3.6.0 transformers==5.17.0 pytest pyte
 SERVE_DEPS := fastapi==0.165.0 uvicorn==0.55.0 openai==3.60.0 pydantic==2.14.4 starlette==1.10.0 rich==15.0.0 \
 	accelerate==1.16.0 httpx==0.29.0
 
-.PHONY: demo test test-gpu test-gpu-quick setup clean device-site
+.PHONY: demo test test-gpu test-gpu-quick setup clean device-site test-hf-suite
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -26,6 +26,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 tests
+
+# transformers' own model tests of the MLA families, unpatched and with every model on mla.hf.patch
+# (docs/hf.md): HF_SRC is a transformers source checkout at the installed version's tag, v5.17.0.
+# Its test files import parameterized, and its pipeline tests datasets.
+HF_SRC ?= build/transformers
+HF_SUITE_DEPS := parameterized==0.9.0 datasets==5.2.0
+test-hf-suite: $(STAMP)
+	@test -d "$(HF_SRC)/tests/models" || { echo "HF_SRC=$(HF_SRC): expected a transformers source checkout (tag v5.17.0)"; exit 2; }
+	$(PY) -m pip install -q $(HF_SUITE_DEPS)
+	$(PY) tools/hf_suite/run.py $(HF_SRC)
 
 # On a GPU machine, with its own python3 (torch, triton, pytest, pytest-xdist; no venv): the whole
 # suite, with the slowest tests listed, and the quick subset for kernel work (every kernel test once,
