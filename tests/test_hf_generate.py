@@ -3,7 +3,10 @@ exactly what transformers' own loop returns.
 
 Tiny random float32 models (tests/test_hf_patch.py's) on CPU, where the static decode step runs
 eagerly, and the same on a GPU with its CUDA graphs. Each case compares the patched model's
-``generate`` with the unpatched model's on left-padded batches: greedy, seeded sampling (the
+``generate`` on left-padded batches with a reference: on CPU the unpatched model's; on a GPU
+the same patch under transformers' own loop (``overlap=False``), the same arithmetic step for
+step, since mla's float32 kernels and transformers' attention may part at near-ties there (the
+patch against the unpatched model on a GPU is tests/test_hf_patch.py's test_graphs_on_gpu): greedy, seeded sampling (the
 same random draws in the same order), EOS in one row and in every row (the stop read one step
 late, its extra step undone), a streamer's tokens, logits processors that read the sequences;
 and checks that the loop ran (or that transformers' own method did, where the loop leaves the
@@ -49,12 +52,30 @@ def setup(case, device):
     return make_model(case).to(device)
 
 
+class Reference:
+    """The reference of a device (module docstring) while the block runs: the model unpatched
+    on CPU, patched with overlap=False on a GPU."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        on_gpu = next(self.model.parameters()).device.type == "cuda"
+        self.handle = mla.hf.patch(self.model, num_blocks=48, block_size=4, overlap=False) if on_gpu else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.unpatch()
+
+
 def run_both(model, handle_kw, calls):
-    """Each call's output unpatched, then patched (seeded alike): the two lists and the spy."""
+    """Each call's output from the reference, then patched (seeded alike): the two lists and the spy."""
     want = []
-    for seed, kw in calls:
-        torch.manual_seed(seed)
-        want.append(model.generate(**kw))
+    with Reference(model):
+        for seed, kw in calls:
+            torch.manual_seed(seed)
+            want.append(model.generate(**kw))
     handle = mla.hf.patch(model, num_blocks=48, block_size=4, **handle_kw)
     spy = Spy(handle)
     got = []
@@ -132,12 +153,10 @@ def test_streamer_gets_the_same_tokens(device):
     for kw in (dict(max_new_tokens=NEW), dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)):
         streams = []
         for patched in (False, True):
-            handle = mla.hf.patch(model, num_blocks=48, block_size=4) if patched else None
-            s = Collect()
-            out = model.generate(input_ids=ids[:1], attention_mask=mask[:1], do_sample=False, streamer=s, **kw)
-            streams.append((s.puts, s.ended, out.tolist()))
-            if handle is not None:
-                handle.unpatch()
+            with Reference(model) if not patched else mla.hf.patch(model, num_blocks=48, block_size=4):
+                s = Collect()
+                out = model.generate(input_ids=ids[:1], attention_mask=mask[:1], do_sample=False, streamer=s, **kw)
+                streams.append((s.puts, s.ended, out.tolist()))
         assert streams[0] == streams[1]
 
 
@@ -176,8 +195,9 @@ def test_no_host_sync_between_steps(sample):
     ids, mask = batch("cuda")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=sample, top_k=5,
               eos_token_id=eos_of(model, ids, mask, row=1, at=4), pad_token_id=0)
-    torch.manual_seed(1)
-    want = model.generate(**kw)
+    with Reference(model):
+        torch.manual_seed(1)
+        want = model.generate(**kw)
     handle = mla.hf.patch(model, num_blocks=48, block_size=4)
     assert handle.graphs
     torch.manual_seed(1)

@@ -435,6 +435,7 @@ def test_decode_steps_graphed_on_gpu(use_async):
                                              config)
     assert manager.batch_processor.use_async_batching is (use_async is None)
     manager.start()
+    cache = manager.cache               # stop() lets the batch processor go
     try:
         for i, (p, n) in enumerate(zip(ps, budgets)):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
@@ -442,7 +443,7 @@ def test_decode_steps_graphed_on_gpu(use_async):
     finally:
         manager.stop(block=True, timeout=30)
     assert [done[f"r{i}"] for i in range(len(ps))] == refs
-    assert manager.cache.get_num_free_blocks() == manager.cache.num_blocks
+    assert cache.get_num_free_blocks() == cache.num_blocks
     decode = [k == {"decode"} for k in steps.kinds()]
     assert sum(decode) >= 4 and steps.graphed == decode
 
