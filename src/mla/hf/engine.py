@@ -324,6 +324,18 @@ class LatentBatchingManager(ContinuousBatchingManager):
             self.check_fits(len(ids), new)
         return super().add_requests(inputs, max_new_tokens, *args, **kwargs)
 
+    def load(self) -> dict[str, int]:
+        """The engine's load now, for a server's metrics and logs (``mla.hf.metrics``): requests
+        ``running`` (admitted: they hold blocks) and ``waiting`` (queued, or not admitted yet),
+        the cache's ``blocks_used`` and ``num_blocks``. Read from any thread while the loop runs,
+        without a lock: each count is one len(), the four may straddle one step."""
+        processor = self.batch_processor
+        queued = self.input_queue.qsize()
+        if processor is None:
+            return dict(running=0, waiting=queued, blocks_used=0, num_blocks=0)
+        scheduler, cache = processor.scheduler, processor.cache
+        return dict(running=len(scheduler.active_requests), waiting=len(scheduler.waiting_requests) + queued,
+                    blocks_used=cache.num_blocks - cache.get_num_free_blocks(), num_blocks=cache.num_blocks)
 
 
 

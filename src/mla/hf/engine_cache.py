@@ -334,7 +334,8 @@ class LatentCache(PagedAttentionCache):
             rows = [(c, n) for c, n in rows if c + n <= min(len(table) * bs, cfg.max_position_embeddings)]
             reqs = [(("warm", i), c, n) for i, (c, n) in enumerate(rows)]
             batch = self.latent.batch_from_tables(reqs, [table] * len(reqs), width=self._step_width)
-            x = torch.zeros(batch.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            # the layers' dtype: an FP8 cache's rows are float8, the activations are not
+            x = torch.zeros(batch.num_tokens, cfg.hidden_size, dtype=handle.dtype, device=self.device)
             for layer in layers:
                 layer(x, batch)
         decode, chunk, prompt = (bs, 1), (bs, bs + 3), (0, bs + 5)
