@@ -5,9 +5,11 @@ engine and behind an OpenAI-compatible server (user guides: docs/hf.md, docs/ser
 The package, one concern a module, each importing only those listed before it:
 
 - ``decode_step``: the whole model's decode step on static buffers, one CUDA graph a bucket;
+- ``generate``: ``generate``'s greedy and sampled decode loop, one step ahead of the GPU;
 - ``patch``: ``PatchHandle``, the stand-ins for the attention modules and the request they serve;
 - ``engine_cache``: ``LatentCache``, the engine's cache on latent rows, and its admission;
 - ``engine``: ``enable`` / ``Engine``, the engine's manager on that cache;
+- ``metrics``: the server's Prometheus metrics (it imports nothing of mla);
 - ``serve``: ``mla serve``, transformers' server over a patched, enabled model.
 """
 from __future__ import annotations
