@@ -41,12 +41,12 @@ test-hf-suite: $(STAMP)
 # suite, with the slowest tests listed, and the quick subset for kernel work (every kernel test once,
 # tests/conftest.py). PYTHON=... picks another interpreter; a PYTHONPATH already set (carried
 # wheels) stays behind src.
-GPU_WORKERS ?= 8
+GPU_WORKERS ?= 16
 test-gpu:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) --durations=25 tests
+	OMP_NUM_THREADS=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) --durations=25 tests
 
 test-gpu-quick:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) -m quick tests
+	OMP_NUM_THREADS=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -n $(GPU_WORKERS) -m quick tests
 
 # pytest-xdist for the GPU machine, which has pytest but no xdist and no network: carry
 # build/device-site and put it on PYTHONPATH there (`pytest -n 8` runs the GPU tests ~2x faster)

@@ -20,7 +20,8 @@ def pytest_runtest_call(item):
     exc = outcome.excinfo[1] if outcome.excinfo else None
     from mla.ops._jit import INTERPRETER_BROKEN
 
-    if INTERPRETER_BROKEN and isinstance(exc, RuntimeError) and "triton-lang/triton#9171" in str(exc):
+    # opcheck wraps the refusal in its own OpCheckError: match the message, whatever the type
+    if INTERPRETER_BROKEN and exc is not None and "triton-lang/triton#9171" in str(exc):
         outcome.force_exception(pytest.skip.Exception("Triton's interpreter with numpy >= 2.4 on a GPU machine"))
 
 

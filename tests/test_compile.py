@@ -291,10 +291,16 @@ def run_block(dtype, backend, compile_backend, cache_dtype=None, steps=STEPS):
               for _ in range(2)]
     g = torch.Generator().manual_seed(4)
     outs = []
-    for step in steps:
-        x = torch.randn(sum(n for _, n in step), cfg.hidden_size, generator=g).to(dtype)
-        want, got = block(x, caches[0].prepare(step)), compiled(x, caches[1].prepare(step))
-        outs.append((want, got))
+    # one thread: the same ops give the same bits only if their matmuls split the work alike
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in steps:
+            x = torch.randn(sum(n for _, n in step), cfg.hidden_size, generator=g).to(dtype)
+            want, got = block(x, caches[0].prepare(step)), compiled(x, caches[1].prepare(step))
+            outs.append((want, got))
+    finally:
+        torch.set_num_threads(threads)
     return outs, caches, counters["stats"]["unique_graphs"]
 
 
@@ -331,8 +337,9 @@ def test_block_triton_backend_compiles():
 @inductor
 def test_block_inductor_bf16_matches_eager():
     """Inductor fuses the norms and keeps intermediates in float32 where eager rounds to bf16:
-    against the float32 block, its error is at most 2x eager bf16's (and the same with float32)."""
-    steps = STEPS[:5]
+    against the float32 block, its error is at most 2x eager bf16's (and the same with float32).
+    A prefill, a decode step and a mixed step with a long prompt: each shape compiles once."""
+    steps = [STEPS[0], STEPS[1], STEPS[3]]
     outs, _, _ = run_block(torch.bfloat16, "torch", "inductor", steps=steps)
     ref, _, _ = run_block(torch.float32, "torch", "inductor", steps=steps)
     for (want, got), (want32, got32) in zip(outs, ref):

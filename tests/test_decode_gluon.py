@@ -238,7 +238,8 @@ def test_narrow_splits_fp16_page128_non_causal(kv_fmt):
           kernel="narrow")
 
 
-@pytest.mark.parametrize("H,s_q", [(16, 1), (8, 2), (1, 1), (3, 4), (7, 2), (5, 3), (4, 4), (16, 2), (9, 3), (17, 1)])
+# one row group of 16 and of 1, odd rows with several queries, two row groups (32 and 17 rows)
+@pytest.mark.parametrize("H,s_q", [(16, 1), (1, 1), (3, 4), (7, 2), (16, 2), (17, 1)])
 def test_fp8_register_operands(H, s_q):
     """FP8 rows as the MMAs' register operands, <= 32 query rows (two row groups above 16):
     lengths 0, s_q, 1, partial tails (NaN past each end), several pages; kv_scale 0.5 (applied

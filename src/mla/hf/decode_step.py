@@ -48,6 +48,27 @@ POSITION, SLOT, LENGTH, TABLE = range(4)   # the packed row's columns; TABLE.. t
 RING = 4                                   # pinned staging buffers of the rows
 
 
+def _capturable_experts(model):
+    """(the model's experts implementation, the one to capture instead), or None to keep it.
+    transformers' ``grouped_mm`` experts call torch's grouped GEMM, whose CUDA kernel takes
+    bfloat16 on compute capability 9.x and 10.x only; for anything else torch loops over the
+    experts with their offsets read on the host, which a CUDA graph cannot capture. While a
+    graph is captured such a model runs ``batched_mm`` (the same products, one batched GEMM over
+    each token's experts, no host read); eager steps and the prefill keep its own choice."""
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None
+    get = getattr(model, "get_experts_implementation", None)
+    if get is None:
+        return None
+    current = get()
+    if "grouped_mm" not in current.values():
+        return None
+    param = next(model.parameters())
+    if param.dtype == torch.bfloat16 and torch.cuda.get_device_capability(param.device)[0] in (9, 10):
+        return None
+    return current, {k: "batched_mm" if v == "grouped_mm" else v for k, v in current.items()}
+
+
 class DecodeStep:
     """A patched model's decode steps (``generate``'s, an engine's pure decode steps) through
     one StepGraph (module docstring)."""
@@ -100,11 +121,16 @@ class DecodeStep:
         batch.block_table.copy_(x[:, TABLE:])
         torch.cumsum(batch.cache_seqlens, 0, out=batch.cu_seqlens_k[1:])
         h = self.handle
+        experts = _capturable_experts(h.model)
         h._enter_static(batch)
         try:
+            if experts is not None:
+                h.model.set_experts_implementation(experts[1])
             out = h._original_forward(input_ids=self._tokens[:n], attention_mask=self._mask_4d[:n],
                                       use_cache=False, return_dict=True)
         finally:
+            if experts is not None:
+                h.model.set_experts_implementation(experts[0])
             h._leave_static()
         return out.logits[:, -1]
 
