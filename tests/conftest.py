@@ -37,7 +37,7 @@ def pytest_addoption(parser):
 # runs on one case; the whole suite runs every case.
 KERNEL_TESTS = {"test_decode_gluon.py", "test_decode_kernel.py", "test_sparse_gpu.py", "test_sparse.py",
                 "test_prefill_ops.py", "test_fp8_gemm.py", "test_fp8.py", "test_rms_norm.py", "test_hostile.py",
-                "test_op_validation.py", "test_split_plan.py", "test_compile.py"}
+                "test_op_validation.py", "test_split_plan.py", "test_compile.py", "test_fp8_attention.py"}
 
 
 def pytest_collection_modifyitems(config, items):

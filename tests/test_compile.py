@@ -52,6 +52,16 @@ def prefill_args(g, backend, host=False):
             (q, k, v, cu_q, cu_k, 0.2, True, None, None, *offsets, backend, None))
 
 
+def fp8_prefill_args(g, backend):
+    q = torch.randn(7, 3, 24, generator=g)
+    k = torch.randn(9, 1, 24, generator=g).to(torch.float8_e4m3fn)       # one key row for every head
+    v = torch.randn(9, 1, 16, generator=g).to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.rand(9, 1, generator=g) + 0.5, torch.tensor([0.7])
+    cu_q, cu_k = i32(0, 3, 3, 7), i32(0, 4, 6, 9)
+    return ((q, k, v, k_scale, v_scale, cu_q, cu_k, 0.2), dict(backend=backend),
+            (q, k, v, k_scale, v_scale, cu_q, cu_k, 0.2, True, None, None, backend))
+
+
 def merge_args(g, backend):
     out_a, out_b = torch.randn(5, 3, 16, generator=g), torch.randn(5, 3, 16, generator=g)
     lse_a, lse_b = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
@@ -152,6 +162,7 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "mla_decode": ("mla_decode", decode_args), "prefill_attention": ("prefill_attention", prefill_args),
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
     "mla_decode_fp8": ("mla_decode", lambda g, b: decode_args(g, b, torch.float8_e4m3fn)),
+    "fp8_prefill_attention": ("fp8_prefill_attention", fp8_prefill_args),
     "merge_attention": ("merge_attention", merge_args), "rms_norm": ("rms_norm", rms_norm_args),
     "rms_norm_pair": ("rms_norm_pair", rms_norm_pair_args),
     "rope": ("rope", rope_args), "rope_append": ("rope_append", rope_append_args),
@@ -171,7 +182,7 @@ TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", 
 
 
 def test_every_public_op_is_registered():
-    assert set(OPS) == {"mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
+    assert set(OPS) == {"mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
                         "rope_append", "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits",
                         "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}

@@ -8,15 +8,25 @@ attends to the cached latent rows [c_kv | k_pe] directly (576 values, one per to
     o     = o_lat @ W_UV^T                    [T, H, dv]
 
 The scale is the model's softmax_scale, not 1/sqrt(r + dr).
+
+With ``fp8_attention`` and an FP8 cache, a group of context chunks (at least
+``FP8_CONTEXT_MIN_NEW`` new tokens a sequence) attends on FP8 tensor cores instead
+(``fp8_context``): the sequences' stored rows gathered once, every head reading the same row
+(``ops.fp8_prefill_attention`` with one key head), the query rounded per (token, head) row
+inside the kernel. Decode rows and short drafts stay on the decode kernels, which read FP8
+rows with a bf16 query.
 """
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import ops, quant
 from .plan import Group
 
-__all__ = ["attend", "query_buffer", "absorb_query", "apply_uv", "bmm_into", "helix_combine"]
+__all__ = ["attend", "query_buffer", "absorb_query", "apply_uv", "bmm_into", "helix_combine", "fp8_context",
+           "FP8_CONTEXT_MIN_NEW"]
+
+FP8_CONTEXT_MIN_NEW = 16    # new tokens a sequence from which a group takes the FP8 context kernel
 
 
 def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -75,7 +85,9 @@ def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0, q_rope:
     B, s_q, H = len(group.seqs), group.s_q, layer.num_local_heads
     q_full = absorb_query(layer, qg[..., :dn], None if q_rope is not None else qg[..., dn:], q_rope)
     q_full = q_full.view(B, s_q, H, -1)
-    if group.query_seqlens is None:
+    if layer.fp8_attention and s_q >= FP8_CONTEXT_MIN_NEW and group.query_seqlens is None and group.key_counts:
+        o_lat, lse = fp8_context(layer, q_full.flatten(0, 1), group, kv_cache, kv_scale)
+    elif group.query_seqlens is None:
         o_lat, lse = ops.mla_decode(q_full, kv_cache, group.block_table, group.cache_seqlens, r, cfg.softmax_scale,
                                     causal=True, kv_scale=kv_scale, backend=layer.op_backend)
     else:   # one query at a time, each with the rows of this rank it may see
@@ -91,6 +103,29 @@ def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0, q_rope:
             out[rows] = apply_uv(o_lat, layer.W_UV)
         return
     out[rows] = helix_combine(layer, o_lat, lse)
+
+
+def fp8_context(layer, q_full: torch.Tensor, group: Group, kv_cache: torch.Tensor, kv_scale: float):
+    """q_full [B * s_q, H, r + dr] over the group's cached rows (causal, ends aligned) on FP8
+    tensor cores -> (o_lat [B * s_q, H, r], lse). Rows of one scale ("fp8") are attended as
+    stored; tile rows (per-128 scales, bf16 k_pe) are rounded again to one scale a row."""
+    r, dev = layer.cfg.kv_lora_rank, q_full.device
+    B, s_q = len(group.seqs), group.s_q
+    offsets = [0]
+    for n in group.key_counts:
+        offsets.append(offsets[-1] + n)
+    cu_k = torch.tensor(offsets, dtype=torch.int32).to(dev, non_blocking=True)
+    cu_q = torch.arange(0, (B + 1) * s_q, s_q, dtype=torch.int32, device=dev)
+    stored = ops.gather_latent(kv_cache, group.block_table, torch.zeros(B, dtype=torch.int32, device=dev), cu_k,
+                               offsets[-1], backend=layer.op_backend)
+    fmt = quant.cache_format(kv_cache)
+    if fmt == "fp8":
+        rows, scale = stored[:, None], torch.full((1,), kv_scale, dtype=torch.float32, device=dev)
+    else:
+        rows, scale = ops.reference.quantize_rows_fp8(quant.dequantize_rows(stored, fmt, r, torch.float32)[:, None])
+    return ops.fp8_prefill_attention(q_full, rows, rows[..., :r], scale, scale, cu_q, cu_k, layer.cfg.softmax_scale,
+                                     True, offsets_q=list(range(0, (B + 1) * s_q, s_q)), offsets_k=offsets,
+                                     backend=layer.op_backend)
 
 
 def helix_combine(layer, o_lat: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ writes k_nope and v straight into the k and v buffers that attention reads.
 - chunked: the prefix is gathered and expanded at most max_workspace_tokens rows at a
            time (full mask), the new tokens then attend to themselves (causal), and the
            partial results are merged by log-sum-exp.
+
+With ``fp8_attention`` on (an FP8 latent cache), the expanded K and V are rounded to e4m3 one
+(token, head) row at a time and every path above attends on FP8 tensor cores
+(``ops.fp8_prefill_attention``: the query rounded per row inside the kernel, P per key block).
 """
 from __future__ import annotations
 
@@ -46,6 +50,18 @@ def _keys_values(layer, c_kv: torch.Tensor, k_pe: torch.Tensor):
     return k, v
 
 
+def _attention(layer, q, k, v, cu_q, cu_k, causal, offsets_q, offsets_k):
+    """Varlen attention of the expanded heads: bf16 (``ops.prefill_attention``), or FP8 with
+    ``layer.fp8_attention``, K and V quantized a row at a time (one scale per token and head)."""
+    scale, backend = layer.cfg.softmax_scale, layer.op_backend
+    if not layer.fp8_attention:
+        return ops.prefill_attention(q, k, v, cu_q, cu_k, scale, causal=causal, offsets_q=offsets_q,
+                                     offsets_k=offsets_k, backend=backend)
+    (k8, k_scale), (v8, v_scale) = ops.reference.quantize_rows_fp8(k), ops.reference.quantize_rows_fp8(v)
+    return ops.fp8_prefill_attention(q, k8, v8, k_scale, v_scale, cu_q, cu_k, scale, causal, offsets_q=offsets_q,
+                                     offsets_k=offsets_k, backend=backend)
+
+
 def prefill(layer, q, c_kv, k_pe, group: Group, out):
     """Expanded causal attention over the new tokens only (no cached prefix)."""
     out[group.rows] = _self_attention(layer, q, c_kv, k_pe, group)[0]
@@ -54,21 +70,18 @@ def prefill(layer, q, c_kv, k_pe, group: Group, out):
 def cached(layer, q, p: Pass, kv_cache, cache, out):
     """Gather prefix + new rows of the pass's sequences, expand, attend causally."""
     k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
-    o, _ = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, layer.cfg.softmax_scale,
-                                 causal=True, offsets_q=p.offsets_q, offsets_k=p.offsets_k, backend=layer.op_backend)
-    out[p.rows] = o
+    out[p.rows] = _attention(layer, q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, True, p.offsets_q,
+                             p.offsets_k)[0]
 
 
 def chunked(layer, q, c_kv, k_pe, group: Group, kv_cache, cache, out):
     """New tokens among themselves (causal), then prefix chunks (full mask), merged by log-sum-exp."""
-    scale, backend = layer.cfg.softmax_scale, layer.op_backend
     acc_o, acc_lse = _self_attention(layer, q, c_kv, k_pe, group)   # every row's accumulator
     for p in group.passes:
         k, v = _keys_values(layer, *_gathered(layer, p, kv_cache, cache))
-        o, lse = ops.prefill_attention(q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, scale, causal=False,
-                                       offsets_q=p.offsets_q, offsets_k=p.offsets_k, backend=backend)
+        o, lse = _attention(layer, q[p.rows], k, v, p.cu_seqlens_q, p.cu_seqlens_k, False, p.offsets_q, p.offsets_k)
         i = p.group_rows
-        acc_o[i], acc_lse[i] = ops.merge_attention(acc_o[i], acc_lse[i], o, lse, backend=backend)
+        acc_o[i], acc_lse[i] = ops.merge_attention(acc_o[i], acc_lse[i], o, lse, backend=layer.op_backend)
     out[group.rows] = acc_o
 
 
@@ -76,6 +89,4 @@ def _self_attention(layer, q, c_kv, k_pe, group: Group):
     """Expanded causal attention of the group's new tokens over themselves, fresh latents as keys."""
     rows = group.rows
     k, v = _keys_values(layer, c_kv[rows], k_pe[rows])
-    return ops.prefill_attention(q[rows], k, v, group.cu_seqlens, group.cu_seqlens, layer.cfg.softmax_scale,
-                                 causal=True, offsets_q=group.offsets, offsets_k=group.offsets,
-                                 backend=layer.op_backend)
+    return _attention(layer, q[rows], k, v, group.cu_seqlens, group.cu_seqlens, True, group.offsets, group.offsets)

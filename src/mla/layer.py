@@ -54,7 +54,7 @@ FP8_WEIGHTS = ("auto", "always", "never")   # keep q_b_proj / o_proj in FP8: on 
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, layer_idx: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
                  backend: str = "auto", max_workspace_tokens: int = 65536, parallel=None, fp8_weights: str = "auto",
-                 strategy: str | None = None):
+                 strategy: str | None = None, fp8_attention: bool = False):
         super().__init__()
         if not isinstance(cfg, MLAConfig):
             raise ValueError(f"cfg: expected an MLAConfig, got {type(cfg).__name__}")
@@ -69,6 +69,13 @@ class MLA(nn.Module):
             raise ValueError(f"max_workspace_tokens: expected a positive int, got {max_workspace_tokens!r}")
         if fp8_weights not in FP8_WEIGHTS:
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
+        if not isinstance(fp8_attention, bool):
+            raise ValueError(f"fp8_attention: expected a bool, got {fp8_attention!r}"[:200])
+        if fp8_attention and torch.device(device).type == "cuda" and \
+                torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
+            cap = torch.cuda.get_device_capability(torch.device(device))
+            raise ValueError(f"fp8_attention: needs FP8 tensor cores (compute capability >= 8.9), {device} has "
+                             f"{cap[0]}.{cap[1]}")
         cfg.check_layer_idx(layer_idx)
         check_strategy(cfg, strategy)
         if parallel is not None:
@@ -78,6 +85,8 @@ class MLA(nn.Module):
         self.cfg, self.layer_idx, self.dtype, self.parallel = cfg, layer_idx, dtype, parallel
         self.op_backend = None if backend == "auto" else backend
         self.fp8_weights = fp8_weights
+        # context attention (the expanded paths) on FP8 tensor cores, over an FP8 cache only
+        self.fp8_attention = fp8_attention
         self.max_workspace_tokens = max_workspace_tokens
         # None: the cost rule of strategy.py per sequence; a name pins that path wherever it can
         # serve (tests and benchmarks reach every path this way)
@@ -231,6 +240,9 @@ class MLA(nn.Module):
         if (cache.cp_size, cache.cp_rank) != (cp, cp_rank):
             raise ValueError(f"batch: its cache is CP rank {cache.cp_rank} of {cache.cp_size}, the layer CP rank "
                              f"{cp_rank} of {cp}: give the layer and the cache the same parallel")
+        if self.fp8_attention and cache.format == "plain":
+            raise ValueError(f"fp8_attention: needs an FP8 latent cache (PagedLatentCache dtype float8_e4m3fn), the "
+                             f"batch's cache stores {cache.dtype} rows")
         if cache.format == "plain" and cache.dtype != self.dtype:
             raise ValueError(f"batch: its cache stores {cache.dtype} rows, expected the layer's dtype {self.dtype} "
                              "(or an FP8 cache)")

@@ -47,6 +47,7 @@ class Group:
     cache_seqlens: torch.Tensor | None = None
     # Helix CP with s_q > 1: query i sees this rank's first query_seqlens[i][b] rows
     query_seqlens: list[torch.Tensor] | None = None
+    key_counts: tuple = ()          # absorbed: cache_seqlens as host ints (FP8 context gathers them)
     passes: list[Pass] = field(default_factory=list)
 
 
@@ -134,7 +135,8 @@ def pack_absorbed(batch: Batch, seqs: list[int]) -> list[Group]:
         same = [b for b in seqs if batch.num_new[b] == s_q]
         idx = device_ints(same, torch.int64, device=batch.device)
         group = Group(same, _rows(batch, same), s_q=s_q, block_table=batch.block_table[idx],
-                      cache_seqlens=batch.cache_seqlens[idx])
+                      cache_seqlens=batch.cache_seqlens[idx],
+                      key_counts=() if batch.cache.cp_size > 1 else tuple(batch.num_cached[b] + s_q for b in same))
         if batch.cache.cp_size > 1 and s_q > 1:
             local = batch.cache.local_tokens
             group.query_seqlens = [device_ints([local(batch.num_cached[b] + i + 1) for b in same],
@@ -193,8 +195,10 @@ def decode_plan(batch: Batch, s_q: int) -> Plan:
     absorbed group of all its rows, on the batch's block_table and cache_seqlens themselves
     (under Helix CP only for s_q 1, where no query needs its own count of visible rows)."""
     B = batch.num_seqs
+    # host key counts only where they are the step's (not a graph's static batch, not a CP shard)
+    counts = () if batch.static or batch.cache.cp_size > 1 else tuple(c + s_q for c in batch.num_cached)
     group = Group(list(range(B)), slice(0, B * s_q), s_q=s_q, block_table=batch.block_table,
-                  cache_seqlens=batch.cache_seqlens)
+                  cache_seqlens=batch.cache_seqlens, key_counts=counts)
     return Plan(["absorbed"] * B, absorbed=[group])
 
 

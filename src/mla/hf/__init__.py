@@ -26,7 +26,8 @@ __all__ = ["patch", "patch_config", "PatchHandle", "enable", "Engine", "LatentBa
 
 def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: torch.dtype | None = None,
           backend: str = "auto", num_blocks: int = 256, block_size: int = 64,
-          max_workspace_tokens: int | None = None, graphs: bool | None = None, overlap: bool = True) -> "PatchHandle":
+          max_workspace_tokens: int | None = None, graphs: bool | None = None, overlap: bool = True,
+          fp8_attention: bool = False) -> "PatchHandle":
     """Swap every MLA attention module of ``model`` (a transformers model of an exact MLA family,
     e.g. ``DeepseekV3ForCausalLM``) for ``mla.MLA`` on one shared ``PagedLatentCache``.
 
@@ -47,6 +48,8 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     overlap: run ``generate``'s greedy and sampled decoding one step ahead of the GPU on the
         static step (``mla.hf.generate``: no host read-back between steps, the next step packed
         while the last one runs); False leaves every step to transformers' own loop.
+    fp8_attention: the layers' context attention on FP8 tensor cores (``mla.MLA``'s; docs/fp8.md);
+        needs ``cache`` to hold FP8 rows.
 
     The model's ``init_continuous_batching`` (``generate_batch``, the engine's manager) runs on
     mla's engine from then on (``mla.hf.engine``; ``enable`` sets its options).
@@ -60,6 +63,6 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     """
     handle = PatchHandle(model, cache, dtype=dtype, backend=backend, num_blocks=num_blocks, block_size=block_size,
                          max_workspace_tokens=max_workspace_tokens, graphs=graphs,
-                         overlap=overlap)
+                         overlap=overlap, fp8_attention=fp8_attention)
     attach(handle)
     return handle

@@ -180,8 +180,10 @@ class PatchHandle:
     """The patch of one model: its layers, its cache, and the request it is serving."""
 
     def __init__(self, model, cache, *, dtype, backend, num_blocks, block_size, max_workspace_tokens, graphs=None,
-                 overlap=True):
+                 overlap=True, fp8_attention=False):
         cfg, model_type = _configs(model)
+        if not isinstance(fp8_attention, bool):
+            raise ValueError(f"fp8_attention: expected True or False, got {fp8_attention!r}"[:200])
         if graphs is not None and not isinstance(graphs, bool):
             raise ValueError(f"graphs: expected True, False or None, got {graphs!r}")
         if not isinstance(overlap, bool):
@@ -215,12 +217,17 @@ class PatchHandle:
             raise ValueError(f"cache: expected a PagedLatentCache of mla.hf.patch_config(model) and num_layers >= "
                              f"{len(sites)}, got num_layers={cache.num_layers} "
                              f"and {'the same' if cache.cfg == self.cfg else 'another'} config")
+        if fp8_attention and cache.format == "plain":
+            raise ValueError(f"fp8_attention: needs an FP8 latent cache, got {cache.dtype} rows: pass "
+                             "cache=mla.PagedLatentCache(mla.hf.patch_config(model), dtype=torch.float8_e4m3fn, ...)")
         problem = _graph_problem(cfg, cache)
         if graphs and problem:
             raise ValueError(f"graphs: {model_type!r}: {problem} (patch with graphs=False)")
         self.model, self.model_type, self._graphs_arg, self._family_cfg = model, model_type, graphs, cfg
-        self._backend, self._kw = backend, {} if max_workspace_tokens is None else \
-            {"max_workspace_tokens": max_workspace_tokens}
+        self._backend = backend
+        self._kw = {"fp8_attention": fp8_attention}
+        if max_workspace_tokens is not None:
+            self._kw["max_workspace_tokens"] = max_workspace_tokens
         self._sites = sites
         self._parents = [model.get_submodule(name.rpartition(".")[0]) for name, _ in sites]
         self._swapped = []                     # (parent, attribute name, original module)

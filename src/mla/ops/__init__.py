@@ -31,7 +31,7 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       dense, describe, offsets_ok)
 from .backend import resolve_backend, triton_available
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
@@ -111,21 +111,9 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
           lambda: f"k, v: expected dtype {q.dtype}, got {k.dtype}, {v.dtype}")
     check(k.shape[1:] == q.shape[1:], lambda: f"k: expected [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
     check(v.shape[:2] == k.shape[:2], lambda: f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
-    check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
-    check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q: expected [B + 1] offsets (B >= 0), got an empty tensor")
-    check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    cu_seqlens_q, cu_seqlens_k, softmax_scale = _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                                             offsets_q, offsets_k)
     B = cu_seqlens_q.shape[0] - 1
-    cu_seqlens_q, cu_seqlens_k = dense(cu_seqlens_q), dense(cu_seqlens_k)
-    softmax_scale = as_float("softmax_scale", softmax_scale)
-    check_flag("causal", causal)
-    for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
-        # what the host can check: B + 1 ints from 0 to the row count, never decreasing (the
-        # message built only on failure: torch.compile cannot repr traced ints)
-        if not (h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
-                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
-                              and offsets_ok(h, total))):
-            raise ValueError(f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, "
-                             f"got {h!r}"[:300])
     resolve_backend(backend, q.device)
     check(kernel is None or kernel in ("flashinfer", "cudnn", "triton"),
           lambda: f"kernel: expected None, or 'flashinfer', 'cudnn' or 'triton' with backend 'triton', got {kernel!r}")
@@ -142,6 +130,72 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
                                     max_seqlen_k, offsets_q, offsets_k, backend, kernel, workspace)
     return _library.prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
                                       max_seqlen_k, offsets_q, offsets_k, backend, kernel)
+
+
+def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *,
+                          offsets_q=None, offsets_k=None, backend=None):
+    """Varlen packed attention on FP8 tensor cores, with log-sum-exp (context attention over an
+    FP8 latent cache: the expanded form with per-head keys, or the absorbed form with one key
+    row for every head).
+
+    q [Tq, H, dq] float16, bfloat16 or float32: each (token, head) row is rounded to e4m3 on its
+    own scale inside the kernel (no FP8 copy of q is written). k [Tk, Hk, dq], v [Tk, Hk, dv]
+    float8_e4m3fn with Hk = H, or Hk = 1 (every head reads the same key row, e.g. latent rows
+    [c_kv | k_pe] with v their first dv columns); k_scale, v_scale float32 of shape [] or [1]
+    (one scale) or [Tk, Hk] (one a row): k ~ k * k_scale. P is rounded to e4m3 per block of keys
+    (``mla.ops.reference.fp8_prefill_attention`` states the arithmetic). cu_seqlens_q/k,
+    offsets_q/k and causal as ``prefill_attention``. Returns out [Tq, H, dv] in q's dtype and
+    lse [Tq, H] float32.
+
+    backend "triton" on CUDA needs FP8 tensor cores (compute capability >= 8.9); "torch" runs the
+    float32 emulation, rounding P per block of ``reference.FP8_P_BLOCK`` keys.
+    """
+    check(isinstance(q, torch.Tensor) and q.dim() == 3,
+          lambda: f"q: expected a 3-D [tokens, heads, dim] tensor, got {describe(q)}")
+    check(q.dtype in FLOAT, lambda: f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        check(isinstance(t, torch.Tensor) and t.dim() == 3 and t.dtype == quant.FP8,
+              lambda: f"{name}: expected a 3-D float8_e4m3fn tensor, got {describe(t)}")
+        check(t.device == q.device, lambda: f"{name}: expected device {q.device}, got {t.device}")
+    H, dq = q.shape[1:]
+    check(k.shape[1] in (H, 1) and k.shape[2] == dq,
+          lambda: f"k: expected [Tk, {H} or 1, {dq}], got {tuple(k.shape)}")
+    check(v.shape[:2] == k.shape[:2], lambda: f"v: expected [{k.shape[0]}, {k.shape[1]}, dv], got {tuple(v.shape)}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+              and (t.shape in ((), (1,)) or t.shape == k.shape[:2]),
+              lambda: f"{name}: expected a float32 tensor of shape [], [1] or [{k.shape[0]}, {k.shape[1]}], "
+                      f"got {describe(t)}")
+        check(t.device == q.device, lambda: f"{name}: expected device {q.device}, got {t.device}")
+    cu_seqlens_q, cu_seqlens_k, softmax_scale = _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                                             offsets_q, offsets_k)
+    if resolve_backend(backend, q.device) == "triton" and q.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(q.device)
+        check(cap >= (8, 9), lambda: f"q: fp8_prefill_attention needs FP8 tensor cores (compute capability >= 8.9), "
+                                     f"{q.device} has {cap[0]}.{cap[1]}")
+    offsets_q, offsets_k = (None if h is None else list(h) for h in (offsets_q, offsets_k))
+    return _library.fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                                          causal, offsets_q, offsets_k, backend)
+
+def _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, offsets_q, offsets_k):
+    """The checks varlen attention's offsets and scalars share: returns the offsets laid out as
+    the kernels read them and the scale as a float."""
+    check_int_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q: expected [B + 1] offsets (B >= 0), got an empty tensor")
+    check_int_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    B = cu_seqlens_q.shape[0] - 1
+    cu_seqlens_q, cu_seqlens_k = dense(cu_seqlens_q), dense(cu_seqlens_k)
+    softmax_scale = as_float("softmax_scale", softmax_scale)
+    check_flag("causal", causal)
+    for name, h, total in (("offsets_q", offsets_q, q.shape[0]), ("offsets_k", offsets_k, k.shape[0])):
+        # what the host can check: B + 1 ints from 0 to the row count, never decreasing (the
+        # message built only on failure: torch.compile cannot repr traced ints)
+        if not (h is None or (isinstance(h, (list, tuple)) and len(h) == B + 1
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+                              and offsets_ok(h, total))):
+            raise ValueError(f"{name}: expected None or {B + 1} non-decreasing host ints from 0 to {total}, "
+                             f"got {h!r}"[:300])
+    return cu_seqlens_q, cu_seqlens_k, softmax_scale
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):

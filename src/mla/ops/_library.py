@@ -31,7 +31,7 @@ from ._checks import (check, check_apart, check_gather_values, check_index_value
                       check_paged_values, check_writable, host_offsets)
 from .backend import use_kernels
 
-__all__ = ["mla_decode", "prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
            "sparse_mla_decode", "sparse_prefill_attention", "OPS"]
 
@@ -145,6 +145,28 @@ def run_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_
     from . import prefill
     return prefill.prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q,
                                      max_seqlen_k, offsets_q, offsets_k, kernel=kernel, workspace=workspace)
+
+
+@_op("mla::fp8_prefill_attention", mutates_args=())
+def fp8_prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor, v_scale: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, softmax_scale: float, causal: bool, offsets_q: Optional[List[int]],
+                          offsets_k: Optional[List[int]], backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    is_reference = not use_kernels(backend, q.device)
+    check_interpretable("fp8_prefill_attention", is_reference, q.device, q)
+    if q.device.type == "cpu" or is_reference:   # as run_prefill: the host copy this path makes anyway
+        offsets_q = host_offsets("cu_seqlens_q", cu_seqlens_q, "Tq", q.shape[0], "offsets_q", offsets_q)
+        offsets_k = host_offsets("cu_seqlens_k", cu_seqlens_k, "Tk", k.shape[0], "offsets_k", offsets_k)
+    if is_reference:
+        return _fresh(*reference.fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+                                                       softmax_scale, causal, offsets_q, offsets_k))
+    from . import prefill
+    return _fresh(*prefill.fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+                                                 softmax_scale, causal))
+
+
+@fp8_prefill_attention.register_fake
+def _(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, offsets_q, offsets_k, backend):
+    return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @_op("mla::merge_attention", mutates_args=())

@@ -18,7 +18,8 @@ from ..rope import apply_rope
 __all__ = ["mla_decode", "prefill_attention", "combine", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
            "rope_append", "gather_latent", "softmax_attend",
            "quantize_act_1x128", "fp8_linear", "fp8_bmm",
-           "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"]
+           "indexer_logits", "topk_indices", "sparse_mla_decode", "sparse_prefill_attention",
+           "quantize_rows_fp8", "fp8_prefill_attention", "FP8_P_BLOCK"]
 
 
 def softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
@@ -78,6 +79,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scal
     return out.to(q.dtype), lse
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k):
+    """(q0, q1, k0, k1) of each sequence with queries and keys (the host offsets where given)."""
+    cq = list(offsets_q) if offsets_q is not None else cu_seqlens_q.tolist()
+    ck = list(offsets_k) if offsets_k is not None else cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        if cq[b + 1] > cq[b] and ck[b + 1] > ck[b]:
+            yield cq[b], cq[b + 1], ck[b], ck[b + 1]
+
+
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, max_seqlen_q=None,
                       max_seqlen_k=None, offsets_q=None, offsets_k=None):
     """Varlen packed attention. q [Tq, H, dq], k [Tk, H, dq], v [Tk, H, dv];
@@ -90,13 +100,8 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     dv = v.shape[-1]
     out = torch.zeros(Tq, H, dv, dtype=torch.float32, device=q.device)
     lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
-    cq = list(offsets_q) if offsets_q is not None else cu_seqlens_q.tolist()
-    ck = list(offsets_k) if offsets_k is not None else cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k):
         nq, nk = q1 - q0, k1 - k0
-        if nq == 0 or nk == 0:
-            continue
         qb = q[q0:q1].float().transpose(0, 1)                            # [H, nq, dq]
         kb = k[k0:k1].float().transpose(0, 1)                            # [H, nk, dq]
         vb = v[k0:k1].float().transpose(0, 1)                            # [H, nk, dv]
@@ -110,6 +115,81 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
         o, l = softmax_attend(scores, visible[None], vb)
         out[q0:q1] = o.transpose(0, 1)
         lse[q0:q1] = l.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------- FP8 context attention
+FP8_P_BLOCK = 64    # keys per block of P rounded to e4m3 (the GPU kernel's BLOCK_N)
+
+
+def quantize_rows_fp8(x: torch.Tensor):
+    """x [..., d] float -> (x_q [..., d] float8_e4m3fn, scale [...] float32): one scale a row
+    (the last dim), max(amax, 1e-12) / 448, x_q = round_to_nearest_even(x / scale)."""
+    amax = x.float().abs().amax(-1).clamp_min(AMAX_FLOOR)
+    scale = amax / torch.full_like(amax, 448.0)
+    return (x.float() / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+
+def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True,
+                          offsets_q=None, offsets_k=None, block_n: int = FP8_P_BLOCK):
+    """Varlen attention on e4m3 tensor cores, emulated in float32 exactly as the kernel rounds.
+
+    q [Tq, H, dq] (a float dtype); k [Tk, Hk, dq], v [Tk, Hk, dv] float8_e4m3fn, Hk = H or 1
+    (one key row for every head: the absorbed form); k_scale, v_scale float32 of shape [] / [1]
+    (per tensor) or [Tk, Hk] (per row): k ~ k_q * k_scale. The arithmetic:
+
+    - each query row (token, head) is rounded to e4m3 with its own scale (``quantize_rows_fp8``);
+      S = (q_q . k_q) * q_scale * k_scale * softmax_scale, accumulated in float32
+    - keys are walked in blocks of ``block_n`` from key 0, with the online softmax's running
+      max m: P = exp(S - m) in [0, 1], times w = v_scale / max(v_scale of the head), times 448,
+      rounded to e4m3: P_q; acc = acc * exp(m_old - m) + P_q @ v_q, l likewise from P_q / (448 w)
+    - out = acc * max(v_scale) / 448 / l, lse = m + log l
+
+    so out is a convex combination of the dequantized value rows whatever the rounding.
+    Causal aligns the ends as ``prefill_attention``. Returns out [Tq, H, dv] (q.dtype), lse [Tq, H].
+    """
+    Tq, H, _ = q.shape
+    Hk, dv = k.shape[1], v.shape[-1]
+    out = torch.zeros(Tq, H, dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
+    Tk = k.shape[0]
+    ks = k_scale.float().reshape(1, 1).expand(Tk, Hk) if k_scale.dim() < 2 else k_scale.float()
+    vs = v_scale.float().reshape(1, 1).expand(Tk, Hk) if v_scale.dim() < 2 else v_scale.float()
+    q_q, q_s = quantize_rows_fp8(q)
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k):
+        nq, nk = q1 - q0, k1 - k0
+        qb = q_q[q0:q1].float().transpose(0, 1)                             # [H, nq, dq]
+        qsb = q_s[q0:q1].transpose(0, 1)[..., None]                         # [H, nq, 1]
+        kb = k[k0:k1].float().transpose(0, 1).expand(H, -1, -1)             # [H, nk, dq]
+        vb = v[k0:k1].float().transpose(0, 1).expand(H, -1, -1)
+        ksb = ks[k0:k1].transpose(0, 1).expand(H, -1)[:, None, :]           # [H, 1, nk]
+        vsb = vs[k0:k1].transpose(0, 1).expand(H, -1)                       # [H, nk]
+        vmax = vs.amax(0).expand(H)                                         # the head's largest row scale
+        w = vsb / vmax[:, None]
+        s = (qb @ kb.transpose(1, 2)) * qsb * ksb * softmax_scale            # [H, nq, nk]
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        s = s.masked_fill(~(j <= i + (nk - nq)) if causal else torch.zeros_like(s, dtype=torch.bool), float("-inf"))
+        m = torch.full((H, nq), float("-inf"), device=q.device)
+        l = torch.zeros(H, nq, device=q.device)
+        acc = torch.zeros(H, nq, dv, device=q.device)
+        for n0 in range(0, nk, block_n):
+            sl = slice(n0, min(n0 + block_n, nk))
+            m_new = torch.maximum(m, s[..., sl].amax(-1))
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = torch.exp(m - m_safe)
+            p_q = _e4m3(torch.exp(s[..., sl] - m_safe[..., None]) * (w[:, None, sl] * 448.0))
+            l = l * alpha + (p_q / (w[:, None, sl] * 448.0)).sum(-1)
+            acc = acc * alpha[..., None] + p_q @ vb[:, sl]
+            m = m_new
+        seen = l > 0
+        o = acc * (vmax[:, None, None] / 448.0) / torch.where(seen, l, 1.0)[..., None]
+        out[q0:q1] = o.transpose(0, 1)
+        lse[q0:q1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf")).transpose(0, 1)
     return out.to(q.dtype), lse
 
 

@@ -18,7 +18,7 @@ from . import peers
 from . import triton as triton_kernel
 from .peers import DEFAULT_WORKSPACE, FlashInferWorkspace
 
-__all__ = ["prefill_attention", "choose_kernel", "KERNELS", "FlashInferWorkspace", "DEFAULT_WORKSPACE"]
+__all__ = ["prefill_attention", "fp8_prefill_attention", "choose_kernel", "KERNELS", "FlashInferWorkspace", "DEFAULT_WORKSPACE"]
 
 KERNELS = ("flashinfer", "cudnn", "triton")
 
@@ -71,3 +71,10 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
     return triton_kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                 triton_kernel.default_config(q, v.shape[-1]))
 
+
+
+def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
+    """``mla.ops.fp8_prefill_attention`` on the Triton kernel (FP8 operands, ``triton.fp8_config``'s
+    tiles): the one FP8 context kernel here."""
+    return triton_kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                triton_kernel.fp8_config(q, q.shape[-1], v.shape[-1]), k_scale, v_scale)

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from .._jit import jit
+from ..fp8_gemm import round_to_e4m3, to_e4m3
 
-__all__ = ["PrefillConfig", "default_config", "launch"]
+__all__ = ["PrefillConfig", "default_config", "fp8_config", "launch"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)   # a constexpr: kernels may read it
@@ -43,14 +44,67 @@ class PrefillConfig:
 
 
 @jit
+def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr, vs_ptr, v_max,
+               stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+               DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DA: tl.constexpr,
+               BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """One block of BLOCK_N keys into the online softmax (m_i, l_i in base 2, acc). MASKED: the
+    block may hold keys past the sequence or past a query's causal limit. FP8: k and v are
+    e4m3 with a scale a key row, q_a/q_b e4m3 with q_s a query row; P is rounded to e4m3 at
+    448 P w (w = the row's v scale / v_max, so P w <= 1) and l sums what P_q stands for."""
+    da = tl.arange(0, BLOCK_DA)
+    db = tl.arange(0, BLOCK_DB)
+    dv = tl.arange(0, BLOCK_DV)
+    n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = n < nk
+    kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
+    k_a = tl.load(kr + da[None, :], mask=(n_ok[:, None] if MASKED else True) & (da[None, :] < DA), other=0.0)
+    s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+    if DB > 0:
+        k_b = tl.load(kr + DA + db[None, :], mask=(n_ok[:, None] if MASKED else True) & (db[None, :] < DB),
+                      other=0.0)
+        s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
+    if FP8:
+        k_s = tl.load(ks_ptr + n.to(tl.int64) * stride_kst, mask=n_ok, other=0.0)
+        s = s * (q_s[:, None] * k_s[None, :])
+    if MASKED:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + off)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: no NaN from -inf - -inf
+    else:
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
+                mask=(n_ok[:, None] if MASKED else True) & (dv[None, :] < DV), other=0.0)
+    if FP8:
+        w = tl.load(vs_ptr + n.to(tl.int64) * stride_vst, mask=n_ok, other=1.0) / v_max   # <= 1
+        pw = p * (w * 448.0)[None, :]
+        p_q = round_to_e4m3(pw).to(tl.float8e4nv) if EXACT_CAST else pw.to(tl.float8e4nv)
+        l_i = l_i * alpha + tl.sum(p_q.to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
+        acc = tl.dot(p_q, v, acc * alpha[:, None])
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
 def _prefill_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
+    Q, K, V, O, LSE, CU_Q, CU_K, KS, VS, VMAX,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    stride_kst, stride_ksh, stride_vst, stride_vsh, stride_vmh,
     qk_scale, B,
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG_B: tl.constexpr,
+    LOG_B: tl.constexpr, FP8: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     # Tiles cut a padded row space where sequence b starts at P[b] = cu_q[b] + b * BLOCK_M:
     # the BLOCK_M rows of padding after each sequence mean a tile meets at most one of them
@@ -82,10 +136,18 @@ def _prefill_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_ptr = Q + (q0 + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
     q_a = tl.load(q_ptr + da[None, :], mask=m_ok[:, None] & (da[None, :] < DA), other=0.0)
+    q_b = q_a
     if DB > 0:
         q_b = tl.load(q_ptr + DA + db[None, :], mask=m_ok[:, None] & (db[None, :] < DB), other=0.0)
+    q_s = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    v_max = 1.0
+    if FP8:   # each query row rounded to e4m3 on its own scale, in registers: no quantize pass
+        q_a, q_b, q_s = _quantize_rows(q_a.to(tl.float32), q_b.to(tl.float32), DB, EXACT_CAST)
+        v_max = tl.load(VMAX + h * stride_vmh)
     k_ptr = K + k0.to(tl.int64) * stride_kt + h * stride_kh
     v_ptr = V + k0.to(tl.int64) * stride_vt + h * stride_vh
+    ks_ptr = KS + k0.to(tl.int64) * stride_kst + h * stride_ksh
+    vs_ptr = VS + k0.to(tl.int64) * stride_vst + h * stride_vsh
 
     off = nk - nq                  # keys before the first query (cached prefix)
     if CAUSAL:
@@ -98,54 +160,43 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=tl.float32)
-    # Keys every query of the tile sees: no mask on scores, none on key rows.
+    # Keys every query of the tile sees: no mask on scores, none on key rows; then the diagonal
+    # band and the sequence's last partial block, masked.
     for start_n in range(0, full_end, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
-        k_a = tl.load(kr + da[None, :], mask=da[None, :] < DA, other=0.0)
-        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
-        if DB > 0:
-            k_b = tl.load(kr + DA + db[None, :], mask=db[None, :] < DB, other=0.0)
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :], mask=dv[None, :] < DV, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    # The diagonal band and the sequence's last partial tile: masked.
+        m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+                                   DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION,
+                                   FP8, EXACT_CAST)
     for start_n in range(full_end, hi, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = n < nk
-        kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
-        k_a = tl.load(kr + da[None, :], mask=n_ok[:, None] & (da[None, :] < DA), other=0.0)
-        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
-        if DB > 0:
-            k_b = tl.load(kr + DA + db[None, :], mask=n_ok[:, None] & (db[None, :] < DB), other=0.0)
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= offs_m[:, None] + off)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: no NaN from -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
-                    mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+                                   DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION,
+                                   FP8, EXACT_CAST)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * (v_max / 448.0)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
     rows = (q0 + offs_m).to(tl.int64)
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + rows * stride_lt + h, lse, mask=m_ok)
+
+
+@jit
+def _quantize_rows(x_a, x_b, DB: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """float32 rows split [BLOCK_M, DA] + [BLOCK_M, DB] (padding 0) -> both halves in e4m3 and
+    the row's scale max(amax, 1e-12) / 448, as ``reference.quantize_rows_fp8``."""
+    amax = tl.max(tl.abs(x_a), 1)
+    if DB > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(x_b), 1))
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    a = tl.math.div_rn(x_a, s[:, None])
+    b = tl.math.div_rn(x_b, s[:, None])
+    if EXACT_CAST:   # the interpreter's own cast rounds wrongly (mla.ops.fp8_gemm)
+        return to_e4m3(a), to_e4m3(b), s
+    return a.to(tl.float8e4nv), b.to(tl.float8e4nv), s
 
 
 # Hopper's shared memory per program (227 KB) less room for the compiler's own buffers
@@ -178,30 +229,59 @@ def _split_dim(d: int) -> tuple[int, int]:
     return da, d - da
 
 
-def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig):
+def fp8_config(q: torch.Tensor, dq: int, dv: int) -> PrefillConfig:
+    """Tiles of the FP8 kernel: the accumulator [BLOCK_M, dv] is float32 in registers, so the
+    absorbed form's 512-wide values take 64 query rows (FlashMLA's tile); K and V tiles are
+    1 byte an element."""
+    if q.device.type != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if dv > 256:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=1)
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+
+
+def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig, k_scale=None,
+           v_scale=None):
     """The Triton kernel with an explicit tile config (the benchmark compares several).
-    No host synchronisation: the grid is bounded by ceil(Tq / BLOCK_M) + B tiles."""
+    No host synchronisation: the grid is bounded by ceil(Tq / BLOCK_M) + B tiles.
+
+    FP8 (k and v float8_e4m3fn, ``mla.ops.fp8_prefill_attention``): k [Tk, Hk, dq] with Hk = H
+    or 1 (every head reads the one key row), k_scale / v_scale float32 [1] or [Tk, Hk]."""
     Tq, H, dq = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
+    fp8 = k.dtype == torch.float8_e4m3fn
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()   # read at unit stride
     out = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
     if Tq == 0 or H == 0 or B == 0:
         return out, lse
+    shared = k.shape[1] == 1 and H > 1      # one key row for every head: stride 0 over heads
+    kh, vh = (0, 0) if shared else (k.stride(1), v.stride(1))
+    if fp8:
+        k_scale, v_scale = k_scale.float(), v_scale.float()
+        per_row = v_scale.numel() > 1 or v_scale.dim() == 2
+        v_max = v_scale.amax(0) if per_row else v_scale.reshape(1)   # [Hk]: the head's largest row scale
+        ks = (0, 0) if k_scale.dim() < 2 else (k_scale.stride(0), 0 if shared else k_scale.stride(1))
+        vs = (0, 0) if v_scale.dim() < 2 else (v_scale.stride(0), 0 if shared else v_scale.stride(1))
+        vm = 0 if (shared or v_max.numel() == 1) else v_max.stride(0)
+    else:
+        k_scale = v_scale = v_max = lse     # not read
+        ks, vs, vm = (0, 0), (0, 0), 0
     da, db = _split_dim(dq)
     grid = (triton.cdiv(Tq, cfg.block_m) + B, H)
     _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, k_scale, v_scale, v_max,
+        q.stride(0), q.stride(1), k.stride(0), kh, v.stride(0), vh,
+        out.stride(0), out.stride(1), lse.stride(0), *ks, *vs, vm,
         softmax_scale * _LOG2E, B,
         DA=da, DB=db, DV=dv,
         BLOCK_DA=max(16, da), BLOCK_DB=max(16, triton.next_power_of_2(db)) if db else 16,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 and not fp8 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOG_B=(B - 1).bit_length(),
+        FP8=fp8, EXACT_CAST=fp8 and q.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
