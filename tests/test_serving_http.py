@@ -391,3 +391,5 @@ def test_options_refused_at_start(server, capsys):
     assert "--kv-cache-dtype" in capsys.readouterr().err
     assert main([path, "--log-interval", "-1"]) == 2
     assert "--log-interval" in capsys.readouterr().err
+    assert main([path, "--fp8-attention"]) == 2                      # a 16-bit cache
+    assert "--fp8-attention" in capsys.readouterr().err

@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the latent cache's rows: 'auto' (the model's dtype), 'fp8' (e4m3, one scale), 'fp8_tile' "
                    "(e4m3 with a scale per 128 values, RoPE part in bf16; kv_lora_rank a multiple of 128)")
+    p.add_argument("--fp8-attention", action="store_true",
+                   help="prompts' attention on FP8 tensor cores (docs/fp8.md); needs --kv-cache-dtype fp8 or fp8_tile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens a request may hold, prompt + max_tokens (default: the model's max_position_embeddings)")
     p.add_argument("--log-interval", type=float, default=10.0,
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         enable_cors=args.enable_cors, seed=args.default_seed,
                         trust_remote_code=args.trust_remote_code, chat_template_kwargs=template_kwargs,
                         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                        log_interval=args.log_interval,
+                        log_interval=args.log_interval, fp8_attention=args.fp8_attention,
                         cb={"block_size": args.cb_block_size, "num_blocks": args.cb_num_blocks,
                             "max_batch_tokens": args.cb_max_batch_tokens,
                             "max_memory_percent": args.cb_max_memory_percent})
@@ -119,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", graphs: bool | None = None,
               cb: dict | None = None, enable_cors: bool = False, seed: int | None = None,
               trust_remote_code: bool = False, chat_template_kwargs: dict | None = None,
-              kv_cache_dtype: str = "auto", max_model_len: int | None = None, log_interval: float = 0.0):
+              kv_cache_dtype: str = "auto", max_model_len: int | None = None, log_interval: float = 0.0,
+              fp8_attention: bool = False):
     """The FastAPI app serving the patched model of ``model_dir``, loaded and its engine started
-    now. kv_cache_dtype: one of ``KV_CACHE_DTYPES``; max_model_len: tokens a request may hold
+    now. kv_cache_dtype: one of ``KV_CACHE_DTYPES``; fp8_attention: ``mla.hf.patch``'s (an FP8
+    ``kv_cache_dtype`` only); max_model_len: tokens a request may hold
     (None: the model's ``max_position_embeddings``); log_interval: seconds between the log lines
     of logger ``mla.serve`` (0: none). Raises ValueError, naming the option, for a value the
     model or the cache refuses."""
@@ -142,6 +146,8 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype (--kv-cache-dtype): expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if fp8_attention and kv_cache_dtype == "auto":
+        raise ValueError("fp8_attention (--fp8-attention): needs an FP8 cache, --kv-cache-dtype fp8 or fp8_tile")
     if not (isinstance(log_interval, (int, float)) and math.isfinite(log_interval) and log_interval >= 0):
         raise ValueError(f"log_interval (--log-interval): expected seconds >= 0 (0: off), got {log_interval!r}")
     text_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).get_text_config()
@@ -162,7 +168,8 @@ def build_app(model_dir: str, *, device: str = "auto", dtype: str = "auto", grap
             model = super()._load_model(*args, **kwargs)
             # the engine allocates its own latent cache in this cache's row format; the patch's
             # own blocks serve plain generate only
-            mla.hf.enable(mla.hf.patch(model, _patch_cache(model, cache_rows), num_blocks=16), graphs=graphs)
+            mla.hf.enable(mla.hf.patch(model, _patch_cache(model, cache_rows), num_blocks=16,
+                                       fp8_attention=fp8_attention), graphs=graphs)
             return model
 
         def get_gen_models(self, cache_dir=None) -> list[dict]:

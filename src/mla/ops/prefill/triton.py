@@ -48,11 +48,13 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
                stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
                DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DA: tl.constexpr,
                BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_QK: tl.constexpr,
+               EXACT_CAST: tl.constexpr):
     """One block of BLOCK_N keys into the online softmax (m_i, l_i in base 2, acc). MASKED: the
     block may hold keys past the sequence or past a query's causal limit. FP8: k and v are
     e4m3 with a scale a key row, q_a/q_b e4m3 with q_s a query row; P is rounded to e4m3 at
-    448 P w (w = the row's v scale / v_max, so P w <= 1) and l sums what P_q stands for."""
+    448 P w (w = the row's v scale / v_max, so P w <= 1) and l sums what P_q stands for.
+    FP8_QK: Q K^T on e4m3 MMAs, else on fp16 MMAs of the same values; P V always on fp16."""
     da = tl.arange(0, BLOCK_DA)
     db = tl.arange(0, BLOCK_DB)
     dv = tl.arange(0, BLOCK_DV)
@@ -60,10 +62,14 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
     n_ok = n < nk
     kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
     k_a = tl.load(kr + da[None, :], mask=(n_ok[:, None] if MASKED else True) & (da[None, :] < DA), other=0.0)
+    if FP8 and not FP8_QK:     # e4m3 values on fp16 MMAs (exact: e4m3 is a subset of fp16)
+        k_a = k_a.to(tl.float16)
     s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
     if DB > 0:
         k_b = tl.load(kr + DA + db[None, :], mask=(n_ok[:, None] if MASKED else True) & (db[None, :] < DB),
                       other=0.0)
+        if FP8 and not FP8_QK:
+            k_b = k_b.to(tl.float16)
         s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
     if FP8:
         k_s = tl.load(ks_ptr + n.to(tl.int64) * stride_kst, mask=n_ok, other=0.0)
@@ -87,8 +93,10 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
         w = tl.load(vs_ptr + n.to(tl.int64) * stride_vst, mask=n_ok, other=1.0) / v_max   # <= 1
         pw = p * (w * 448.0)[None, :]
         p_q = round_to_e4m3(pw).to(tl.float8e4nv) if EXACT_CAST else pw.to(tl.float8e4nv)
-        l_i = l_i * alpha + tl.sum(p_q.to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
-        acc = tl.dot(p_q, v, acc * alpha[:, None])
+        # e4m3 widens through fp16: straight to float32 it is wrong in some layouts (docs/kernels.md)
+        l_i = l_i * alpha + tl.sum(p_q.to(tl.float16).to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
+        # P V on fp16 MMAs: Triton 3.6's e4m3 MMA with P from registers gives NaN (docs/kernels.md)
+        acc = tl.dot(p_q.to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -104,7 +112,7 @@ def _prefill_kernel(
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG_B: tl.constexpr, FP8: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    LOG_B: tl.constexpr, FP8: tl.constexpr = False, FP8_QK: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     # Tiles cut a padded row space where sequence b starts at P[b] = cu_q[b] + b * BLOCK_M:
     # the BLOCK_M rows of padding after each sequence mean a tile meets at most one of them
@@ -143,6 +151,8 @@ def _prefill_kernel(
     v_max = 1.0
     if FP8:   # each query row rounded to e4m3 on its own scale, in registers: no quantize pass
         q_a, q_b, q_s = _quantize_rows(q_a.to(tl.float32), q_b.to(tl.float32), DB, EXACT_CAST)
+        if not FP8_QK:
+            q_a, q_b = q_a.to(tl.float16), q_b.to(tl.float16)
         v_max = tl.load(VMAX + h * stride_vmh)
     k_ptr = K + k0.to(tl.int64) * stride_kt + h * stride_kh
     v_ptr = V + k0.to(tl.int64) * stride_vt + h * stride_vh
@@ -166,12 +176,12 @@ def _prefill_kernel(
         m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
                                    vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
                                    DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION,
-                                   FP8, EXACT_CAST)
+                                   FP8, FP8_QK, EXACT_CAST)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
                                    vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
                                    DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION,
-                                   FP8, EXACT_CAST)
+                                   FP8, FP8_QK, EXACT_CAST)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -281,7 +291,10 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 and not fp8 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOG_B=(B - 1).bit_length(),
-        FP8=fp8, EXACT_CAST=fp8 and q.device.type != "cuda",
+        # e4m3 MMAs for Q K^T where Triton 3.6 gets them right: K of 32 or more (16 does not
+        # lower), values of at most 256 (the absorbed 512-wide accumulator breaks them)
+        FP8=fp8, FP8_QK=fp8 and dv <= 256 and da >= 32 and (db == 0 or db >= 32),
+        EXACT_CAST=fp8 and q.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
