@@ -182,7 +182,8 @@ TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", 
 
 
 def test_every_public_op_is_registered():
-    assert set(OPS) == {"mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope",
+    assert set(OPS) == {"mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm",
+                        "rms_norm_pair", "rope",
                         "rope_append", "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits",
                         "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}

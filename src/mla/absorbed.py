@@ -10,7 +10,7 @@ attends to the cached latent rows [c_kv | k_pe] directly (576 values, one per to
 The scale is the model's softmax_scale, not 1/sqrt(r + dr).
 
 With ``fp8_attention`` and an FP8 cache, a group of context chunks (at least
-``FP8_CONTEXT_MIN_NEW`` new tokens a sequence) attends on FP8 tensor cores instead
+``FP8_CONTEXT_MIN_NEW`` new tokens a sequence) attends in e4m3 arithmetic instead
 (``fp8_context``): the sequences' stored rows gathered once, every head reading the same row
 (``ops.fp8_prefill_attention`` with one key head), the query rounded per (token, head) row
 inside the kernel. Decode rows and short drafts stay on the decode kernels, which read FP8
@@ -106,8 +106,8 @@ def attend(layer, q, group: Group, kv_cache, out, kv_scale: float = 1.0, q_rope:
 
 
 def fp8_context(layer, q_full: torch.Tensor, group: Group, kv_cache: torch.Tensor, kv_scale: float):
-    """q_full [B * s_q, H, r + dr] over the group's cached rows (causal, ends aligned) on FP8
-    tensor cores -> (o_lat [B * s_q, H, r], lse). Rows of one scale ("fp8") are attended as
+    """q_full [B * s_q, H, r + dr] over the group's cached rows (causal, ends aligned) in e4m3
+    arithmetic -> (o_lat [B * s_q, H, r], lse). Rows of one scale ("fp8") are attended as
     stored; tile rows (per-128 scales, bf16 k_pe) are rounded again to one scale a row."""
     r, dev = layer.cfg.kv_lora_rank, q_full.device
     B, s_q = len(group.seqs), group.s_q

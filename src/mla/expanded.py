@@ -12,7 +12,7 @@ writes k_nope and v straight into the k and v buffers that attention reads.
            partial results are merged by log-sum-exp.
 
 With ``fp8_attention`` on (an FP8 latent cache), the expanded K and V are rounded to e4m3 one
-(token, head) row at a time and every path above attends on FP8 tensor cores
+(token, head) row at a time and every path above attends in e4m3 arithmetic
 (``ops.fp8_prefill_attention``: the query rounded per row inside the kernel, P per key block).
 """
 from __future__ import annotations

@@ -85,7 +85,7 @@ class MLA(nn.Module):
         self.cfg, self.layer_idx, self.dtype, self.parallel = cfg, layer_idx, dtype, parallel
         self.op_backend = None if backend == "auto" else backend
         self.fp8_weights = fp8_weights
-        # context attention (the expanded paths) on FP8 tensor cores, over an FP8 cache only
+        # context attention (expanded paths, absorbed context chunks) in e4m3, over an FP8 cache only
         self.fp8_attention = fp8_attention
         self.max_workspace_tokens = max_workspace_tokens
         # None: the cost rule of strategy.py per sequence; a name pins that path wherever it can

@@ -48,7 +48,7 @@ def patch(model: nn.Module, cache: PagedLatentCache | None = None, *, dtype: tor
     overlap: run ``generate``'s greedy and sampled decoding one step ahead of the GPU on the
         static step (``mla.hf.generate``: no host read-back between steps, the next step packed
         while the last one runs); False leaves every step to transformers' own loop.
-    fp8_attention: the layers' context attention on FP8 tensor cores (``mla.MLA``'s; docs/fp8.md);
+    fp8_attention: the layers' context attention in e4m3 arithmetic (``mla.MLA``'s; docs/fp8.md);
         needs ``cache`` to hold FP8 rows.
 
     The model's ``init_continuous_batching`` (``generate_batch``, the engine's manager) runs on

@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the latent cache's rows: 'auto' (the model's dtype), 'fp8' (e4m3, one scale), 'fp8_tile' "
                    "(e4m3 with a scale per 128 values, RoPE part in bf16; kv_lora_rank a multiple of 128)")
     p.add_argument("--fp8-attention", action="store_true",
-                   help="prompts' attention on FP8 tensor cores (docs/fp8.md); needs --kv-cache-dtype fp8 or fp8_tile")
+                   help="prompts' attention in e4m3 arithmetic (docs/fp8.md); needs --kv-cache-dtype fp8 or fp8_tile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens a request may hold, prompt + max_tokens (default: the model's max_position_embeddings)")
     p.add_argument("--log-interval", type=float, default=10.0,

@@ -31,7 +31,8 @@ from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_w
                       dense, describe, offsets_ok)
 from .backend import resolve_backend, triton_available
 
-__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair",
+           "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
@@ -134,9 +135,10 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
 
 def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True, *,
                           offsets_q=None, offsets_k=None, backend=None):
-    """Varlen packed attention on FP8 tensor cores, with log-sum-exp (context attention over an
+    """Varlen packed attention in e4m3 arithmetic, with log-sum-exp (context attention over an
     FP8 latent cache: the expanded form with per-head keys, or the absorbed form with one key
-    row for every head).
+    row for every head). Which products run on e4m3 MMAs on the GPU is the kernel's
+    (``mla.ops.prefill.triton``, docs/kernels.md); the values are the same either way.
 
     q [Tq, H, dq] float16, bfloat16 or float32: each (token, head) row is rounded to e4m3 on its
     own scale inside the kernel (no FP8 copy of q is written). k [Tk, Hk, dq], v [Tk, Hk, dv]
@@ -176,6 +178,7 @@ def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
     offsets_q, offsets_k = (None if h is None else list(h) for h in (offsets_q, offsets_k))
     return _library.fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                           causal, offsets_q, offsets_k, backend)
+
 
 def _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, offsets_q, offsets_k):
     """The checks varlen attention's offsets and scalars share: returns the offsets laid out as

@@ -31,7 +31,8 @@ from ._checks import (check, check_apart, check_gather_values, check_index_value
                       check_paged_values, check_writable, host_offsets)
 from .backend import use_kernels
 
-__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
+__all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair",
+           "rope", "rope_append",
            "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
            "sparse_mla_decode", "sparse_prefill_attention", "OPS"]
 

@@ -136,7 +136,7 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True,
                           offsets_q=None, offsets_k=None, block_n: int = FP8_P_BLOCK):
-    """Varlen attention on e4m3 tensor cores, emulated in float32 exactly as the kernel rounds.
+    """Varlen attention in e4m3 arithmetic, emulated in float32 exactly as the kernel rounds.
 
     q [Tq, H, dq] (a float dtype); k [Tk, Hk, dq], v [Tk, Hk, dv] float8_e4m3fn, Hk = H or 1
     (one key row for every head: the absorbed form); k_scale, v_scale float32 of shape [] / [1]

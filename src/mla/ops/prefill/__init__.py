@@ -18,7 +18,8 @@ from . import peers
 from . import triton as triton_kernel
 from .peers import DEFAULT_WORKSPACE, FlashInferWorkspace
 
-__all__ = ["prefill_attention", "fp8_prefill_attention", "choose_kernel", "KERNELS", "FlashInferWorkspace", "DEFAULT_WORKSPACE"]
+__all__ = ["prefill_attention", "fp8_prefill_attention", "choose_kernel", "KERNELS", "FlashInferWorkspace",
+           "DEFAULT_WORKSPACE"]
 
 KERNELS = ("flashinfer", "cudnn", "triton")
 
