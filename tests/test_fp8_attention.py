@@ -222,3 +222,34 @@ def test_patch_with_fp8_attention_generates_and_refuses_a_plain_cache():
     assert outs[True].shape == outs[False].shape
     agree = (outs[True] == outs[False]).float().mean().item()
     print(f"greedy tokens equal to 16-bit context attention on the FP8 cache: {agree:.2f}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("cu_q, cu_k, match", [
+    ([0, 5, 8], [0, 9, 12], "cu_seqlens_q: expected non-decreasing offsets from 0 to Tq = 7"),
+    ([0, 5, 7], [0, 9, 13], "cu_seqlens_k: expected non-decreasing offsets from 0 to Tk = 12"),
+    ([0, 5, 7], [0, 13, 12], "cu_seqlens_k: expected non-decreasing"),
+])
+def test_offset_values_are_checked_before_any_launch(monkeypatch, backend, cu_q, cu_k, match):
+    from mla.ops import prefill
+
+    def launched(*args, **kwargs):
+        raise AssertionError("an implementation ran: the error must come before it")
+    monkeypatch.setattr(prefill, "fp8_prefill_attention", launched)
+    monkeypatch.setattr(reference, "fp8_prefill_attention", launched)
+    q, k, v, ks, vs, _, _ = _case(3, 3, 24, 16, [5, 2], [9, 3], True, "cpu")
+    with pytest.raises(ValueError, match=match):
+        ops.fp8_prefill_attention(q, k, v, ks, vs, torch.tensor(cu_q, dtype=torch.int32),
+                                  torch.tensor(cu_k, dtype=torch.int32), 0.3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_nan_query_row_gives_nan_in_that_row_only(backend):
+    q, k, v, ks, vs, cu_q, cu_k = _case(3, 3, 24, 16, [5, 20], [9, 20], True, "cpu")
+    out, _ = ops.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, 0.3, backend=backend)
+    q[2, 1, 7] = float("nan")
+    bad, _ = ops.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, 0.3, backend=backend)
+    assert bad[2, 1].isnan().all()
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[2, 1] = False
+    assert torch.equal(bad[keep], out[keep])

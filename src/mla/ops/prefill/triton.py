@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .._jit import jit
-from ..fp8_gemm import round_to_e4m3, to_e4m3
+from ..fp8_gemm import to_e4m3
+from ..latent_rows import keep_nan
 
 __all__ = ["PrefillConfig", "default_config", "fp8_config", "launch"]
 
@@ -63,13 +64,13 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
     kr = k_ptr + n.to(tl.int64)[:, None] * stride_kt
     k_a = tl.load(kr + da[None, :], mask=(n_ok[:, None] if MASKED else True) & (da[None, :] < DA), other=0.0)
     if FP8 and not FP8_QK:     # e4m3 values on fp16 MMAs (exact: e4m3 is a subset of fp16)
-        k_a = k_a.to(tl.float16)
+        k_a = _widen(k_a, EXACT_CAST)
     s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
     if DB > 0:
         k_b = tl.load(kr + DA + db[None, :], mask=(n_ok[:, None] if MASKED else True) & (db[None, :] < DB),
                       other=0.0)
         if FP8 and not FP8_QK:
-            k_b = k_b.to(tl.float16)
+            k_b = _widen(k_b, EXACT_CAST)
         s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
     if FP8:
         k_s = tl.load(ks_ptr + n.to(tl.int64) * stride_kst, mask=n_ok, other=0.0)
@@ -92,11 +93,12 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
     if FP8:
         w = tl.load(vs_ptr + n.to(tl.int64) * stride_vst, mask=n_ok, other=1.0) / v_max   # <= 1
         pw = p * (w * 448.0)[None, :]
-        p_q = round_to_e4m3(pw).to(tl.float8e4nv) if EXACT_CAST else pw.to(tl.float8e4nv)
+        p_q = to_e4m3(pw) if EXACT_CAST else pw.to(tl.float8e4nv)     # the interpreter: exact, NaN kept
         # e4m3 widens through fp16: straight to float32 it is wrong in some layouts (docs/kernels.md)
-        l_i = l_i * alpha + tl.sum(p_q.to(tl.float16).to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
+        p16 = _widen(p_q, EXACT_CAST)
+        l_i = l_i * alpha + tl.sum(p16.to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
         # P V on fp16 MMAs: Triton 3.6's e4m3 MMA with P from registers gives NaN (docs/kernels.md)
-        acc = tl.dot(p_q.to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
+        acc = tl.dot(p16, _widen(v, EXACT_CAST), acc * alpha[:, None])
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -152,7 +154,7 @@ def _prefill_kernel(
     if FP8:   # each query row rounded to e4m3 on its own scale, in registers: no quantize pass
         q_a, q_b, q_s = _quantize_rows(q_a.to(tl.float32), q_b.to(tl.float32), DB, EXACT_CAST)
         if not FP8_QK:
-            q_a, q_b = q_a.to(tl.float16), q_b.to(tl.float16)
+            q_a, q_b = _widen(q_a, EXACT_CAST), _widen(q_b, EXACT_CAST)
         v_max = tl.load(VMAX + h * stride_vmh)
     k_ptr = K + k0.to(tl.int64) * stride_kt + h * stride_kh
     v_ptr = V + k0.to(tl.int64) * stride_vt + h * stride_vh
@@ -192,6 +194,13 @@ def _prefill_kernel(
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + rows * stride_lt + h, lse, mask=m_ok)
+
+
+@jit
+def _widen(x8, EXACT_CAST: tl.constexpr):
+    """e4m3 -> fp16 (exact), NaN kept under the interpreter, whose conversion makes the NaN
+    byte 480 (``latent_rows.keep_nan``; the GPU's conversion keeps it)."""
+    return keep_nan(x8.to(tl.float16), x8, EXACT_CAST)
 
 
 @jit
@@ -293,7 +302,8 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOG_B=(B - 1).bit_length(),
         # e4m3 MMAs for Q K^T where Triton 3.6 gets them right: K of 32 or more (16 does not
         # lower), values of at most 256 (the absorbed 512-wide accumulator breaks them)
-        FP8=fp8, FP8_QK=fp8 and dv <= 256 and da >= 32 and (db == 0 or db >= 32),
+        # (the interpreter: fp16 MMAs of the same values, whose widening keeps NaN)
+        FP8=fp8, FP8_QK=fp8 and dv <= 256 and da >= 32 and (db == 0 or db >= 32) and q.device.type == "cuda",
         EXACT_CAST=fp8 and q.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
