@@ -68,11 +68,11 @@ def providers(form: str, q, k, v, n: int, c: int, scale: float):
         out["bf16_op"] = lambda: ops.prefill_attention(q, k, v, cq, ck, scale, True, offsets_q=[0, n],
                                                        offsets_k=[0, c + n])
         out["bf16_triton"] = lambda: tp.launch(q, k, v, cq, ck, scale, True, tp.default_config(q, v.shape[-1]))
-        (k8, ks), (v8, vs) = reference.quantize_rows_fp8(k), reference.quantize_rows_fp8(v)
+        (k8, ks), (v8, vs) = ops.quantize_rows_fp8(k), ops.quantize_rows_fp8(v)
         out["fp8"] = lambda: ops.fp8_prefill_attention(q, k8, v8, ks, vs, cq, ck, scale, True)
 
         def quantized():
-            (k8, ks), (v8, vs) = reference.quantize_rows_fp8(k), reference.quantize_rows_fp8(v)
+            (k8, ks), (v8, vs) = ops.quantize_rows_fp8(k), ops.quantize_rows_fp8(v)
             return ops.fp8_prefill_attention(q, k8, v8, ks, vs, cq, ck, scale, True)
         out["fp8_quant"] = quantized
         fi = _flashinfer_fp8(q, k, v, cq, ck, scale)
@@ -120,7 +120,7 @@ def accuracy(form: str, H: int, n: int):
         if form == "expanded":
             kk, vv = k, v
             if name.startswith("fp8"):      # the inputs it attends: K, V dequantized from their rows
-                (k8, ks), (v8, vs) = reference.quantize_rows_fp8(k), reference.quantize_rows_fp8(v)
+                (k8, ks), (v8, vs) = ops.quantize_rows_fp8(k), ops.quantize_rows_fp8(v)
                 kk, vv = k8.float() * ks[..., None], v8.float() * vs[..., None]
         else:
             rows = k.float().clamp(-448, 448).to(FP8).float() if name == "fp8" else k.float()

@@ -62,6 +62,12 @@ def fp8_prefill_args(g, backend):
             (q, k, v, k_scale, v_scale, cu_q, cu_k, 0.2, True, None, None, backend))
 
 
+def quantize_rows_args(g, backend):
+    x = torch.randn(5, 3, 40, generator=g)
+    x[1, 2] = 0.0                                      # a row of zeros: scale 1e-12 / 448
+    return (x,), dict(backend=backend), (x, backend)
+
+
 def merge_args(g, backend):
     out_a, out_b = torch.randn(5, 3, 16, generator=g), torch.randn(5, 3, 16, generator=g)
     lse_a, lse_b = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
@@ -163,6 +169,7 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
     "prefill_attention_host": ("prefill_attention", lambda g, b: prefill_args(g, b, host=True)),
     "mla_decode_fp8": ("mla_decode", lambda g, b: decode_args(g, b, torch.float8_e4m3fn)),
     "fp8_prefill_attention": ("fp8_prefill_attention", fp8_prefill_args),
+    "quantize_rows_fp8": ("quantize_rows_fp8", quantize_rows_args),
     "merge_attention": ("merge_attention", merge_args), "rms_norm": ("rms_norm", rms_norm_args),
     "rms_norm_pair": ("rms_norm_pair", rms_norm_pair_args),
     "rope": ("rope", rope_args), "rope_append": ("rope_append", rope_append_args),
@@ -178,14 +185,14 @@ CASES = {   # name -> (op, builder); Triton runs under its interpreter in float3
 }
 # the interpreter is slow: opcheck (four runs and traces each) on the kernels that are cheap there
 TRITON_OPCHECK = ("mla_decode", "merge_attention", "rms_norm", "rms_norm_pair", "rope", "rope_append",
-                  "rope_append_q_out", "gather_latent", "quantize_act_1x128")
+                  "rope_append_q_out", "gather_latent", "quantize_act_1x128", "quantize_rows_fp8")
 
 
 def test_every_public_op_is_registered():
     assert set(OPS) == {"mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm",
-                        "rms_norm_pair", "rope",
-                        "rope_append", "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits",
-                        "topk_indices", "sparse_mla_decode", "sparse_prefill_attention"}
+                        "rms_norm_pair", "rope", "rope_append", "gather_latent", "quantize_act_1x128",
+                        "quantize_rows_fp8", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
+                        "sparse_mla_decode", "sparse_prefill_attention"}
     assert set(OPS) == set(ops.__all__) - {"resolve_backend", "triton_available"}
 
 

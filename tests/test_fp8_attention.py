@@ -253,3 +253,31 @@ def test_a_nan_query_row_gives_nan_in_that_row_only(backend):
     keep = torch.ones_like(out, dtype=torch.bool)
     keep[2, 1] = False
     assert torch.equal(bad[keep], out[keep])
+
+
+# ---------------------------------------------------------------- quantize_rows_fp8
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+@pytest.mark.parametrize("shape, dtype", [((7, 3, 192), torch.bfloat16), ((5, 1, 576), torch.float32),
+                                          ((4, 24), torch.float16), ((0, 3, 128), torch.float32)])
+def test_quantize_rows_kernel_equals_the_reference(shape, dtype, device):
+    """Bit for bit: the same amax, the same correctly rounded divisions, the same rounding to
+    e4m3; a row of zeros, a row with a NaN, one past e4m3's range."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    if x.numel():
+        x.view(-1, shape[-1])[0] = 0.0
+        x.view(-1, shape[-1])[-1, 0] = float("nan")
+        x.view(-1, shape[-1])[1 % x.view(-1, shape[-1]).shape[0], 1] = 1e30 if dtype == torch.float32 else 6e4
+    x = x.to(device)
+    got_q, got_s = ops.quantize_rows_fp8(x, backend="triton")
+    want_q, want_s = ops.quantize_rows_fp8(x, backend="torch")
+    assert got_q.shape == x.shape and got_s.shape == x.shape[:-1] and got_s.dtype == torch.float32
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=0, equal_nan=True)
+
+
+def test_quantize_rows_refuses_bad_input():
+    with pytest.raises(ValueError, match="x: expected float16, bfloat16 or float32"):
+        ops.quantize_rows_fp8(torch.zeros(3, 4, dtype=torch.int32))
+    for bad in (torch.tensor(1.0), torch.zeros(3, 0)):
+        with pytest.raises(ValueError, match=r"x: expected a tensor \[..., D\] with D >= 1"):
+            ops.quantize_rows_fp8(bad)

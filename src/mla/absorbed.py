@@ -122,7 +122,8 @@ def fp8_context(layer, q_full: torch.Tensor, group: Group, kv_cache: torch.Tenso
     if fmt == "fp8":
         rows, scale = stored[:, None], torch.full((1,), kv_scale, dtype=torch.float32, device=dev)
     else:
-        rows, scale = ops.reference.quantize_rows_fp8(quant.dequantize_rows(stored, fmt, r, torch.float32)[:, None])
+        rows, scale = ops.quantize_rows_fp8(quant.dequantize_rows(stored, fmt, r, torch.float32)[:, None],
+                                            backend=layer.op_backend)
     return ops.fp8_prefill_attention(q_full, rows, rows[..., :r], scale, scale, cu_q, cu_k, layer.cfg.softmax_scale,
                                      True, offsets_q=list(range(0, (B + 1) * s_q, s_q)), offsets_k=offsets,
                                      backend=layer.op_backend)

@@ -57,7 +57,7 @@ def _attention(layer, q, k, v, cu_q, cu_k, causal, offsets_q, offsets_k):
     if not layer.fp8_attention:
         return ops.prefill_attention(q, k, v, cu_q, cu_k, scale, causal=causal, offsets_q=offsets_q,
                                      offsets_k=offsets_k, backend=backend)
-    (k8, k_scale), (v8, v_scale) = ops.reference.quantize_rows_fp8(k), ops.reference.quantize_rows_fp8(v)
+    (k8, k_scale), (v8, v_scale) = (ops.quantize_rows_fp8(t, backend=backend) for t in (k, v))
     return ops.fp8_prefill_attention(q, k8, v8, k_scale, v_scale, cu_q, cu_k, scale, causal, offsets_q=offsets_q,
                                      offsets_k=offsets_k, backend=backend)
 

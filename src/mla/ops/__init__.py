@@ -33,7 +33,7 @@ from .backend import resolve_backend, triton_available
 
 __all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair",
            "rope", "rope_append",
-           "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm",
+           "gather_latent", "quantize_act_1x128", "quantize_rows_fp8", "fp8_linear", "fp8_bmm",
            "resolve_backend", "triton_available"]
 
 
@@ -380,6 +380,18 @@ def quantize_act_1x128(x, *, backend=None):
     check_act(x, "[M, K]")
     resolve_backend(backend, x.device)
     return _library.quantize_act_1x128(x, backend)
+
+
+def quantize_rows_fp8(x, *, backend=None):
+    """Rows to FP8, one scale a row (the last dim): x [..., D] float16/bfloat16/float32 ->
+    (x_q [..., D] float8_e4m3fn, scale [...] float32), scale = max(amax of the row, 1e-12) / 448,
+    x_q = x / scale rounded to nearest even; a row holding a NaN gets a NaN scale. The keys and
+    values of FP8 context attention (``fp8_prefill_attention``) are rounded so."""
+    check(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] >= 1,
+          lambda: f"x: expected a tensor [..., D] with D >= 1, got {describe(x)}")
+    check(x.dtype in FLOAT, lambda: f"x: expected float16, bfloat16 or float32, got {x.dtype}")
+    resolve_backend(backend, x.device)
+    return _library.quantize_rows_fp8(x, backend)
 
 
 def fp8_linear(x, weight, weight_scale_inv, out_dtype=None, *, backend=None):

@@ -33,7 +33,7 @@ from .backend import use_kernels
 
 __all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair",
            "rope", "rope_append",
-           "gather_latent", "quantize_act_1x128", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
+           "gather_latent", "quantize_act_1x128", "quantize_rows_fp8", "fp8_linear", "fp8_bmm", "indexer_logits", "topk_indices",
            "sparse_mla_decode", "sparse_prefill_attention", "OPS"]
 
 
@@ -293,6 +293,19 @@ def quantize_act_1x128(x: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tenso
 def _(x, backend):
     M, K = x.shape
     return x.new_empty(M, K, dtype=torch.float8_e4m3fn), x.new_empty(M, (K + 127) // 128, dtype=torch.float32)
+
+
+@_op("mla::quantize_rows_fp8", mutates_args=())
+def quantize_rows_fp8(x: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    if use_kernels(backend, x.device):      # no dot product: bfloat16 is right under the interpreter too
+        from . import fp8_gemm
+        return _fresh(*fp8_gemm.quantize_rows_fp8(x))
+    return _fresh(*reference.quantize_rows_fp8(x))
+
+
+@quantize_rows_fp8.register_fake
+def _(x, backend):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @_op("mla::fp8_linear", mutates_args=())

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ._jit import jit, num_sms
 
-__all__ = ["quantize_act_1x128", "fp8_linear", "fp8_linear_triton", "scaled_mm_blockwise", "fp8_bmm", "GemmConfig",
+__all__ = ["quantize_act_1x128", "quantize_rows_fp8", "fp8_linear", "fp8_linear_triton", "scaled_mm_blockwise", "fp8_bmm", "GemmConfig",
            "gemm_config", "choose_kernel", "round_to_e4m3", "to_e4m3", "nan_if_any", "round_to_bf16"]
 
 GROUP = 128   # columns per activation scale = the weight's block size
@@ -88,6 +88,38 @@ def _act_quant_kernel(X, XQ, XS, M, K, G, stride_x, BLOCK_M: tl.constexpr):
     scale = nan_if_any(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0), x, 1)
     tl.store(XQ + m64[:, None] * K + k[None, :], to_e4m3(tl.math.div_rn(x, scale[:, None])), mask=ok)
     tl.store(XS + m64 * G + g, scale, mask=m < M)
+
+
+@jit
+def _row_quant_kernel(X, XQ, XS, M, D, stride_x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    ok = (m < M)[:, None] & (d < D)[None, :]
+    m64 = m.to(tl.int64)
+    x = tl.load(X + m64[:, None] * stride_x + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = nan_if_any(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0), x, 1)
+    tl.store(XQ + m64[:, None] * D + d[None, :], to_e4m3(tl.math.div_rn(x, scale[:, None])), mask=ok)
+    tl.store(XS + m64, scale, mask=m < M)
+
+
+def quantize_rows_fp8(x):
+    """x [..., D] float -> (x_q [..., D] float8_e4m3fn, scale [...] float32), one scale a row
+    (``reference.quantize_rows_fp8``'s values, exactly): one read of x, one write of x_q."""
+    D = x.shape[-1]
+    x_q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return x_q, scale
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    M = rows.shape[0]
+    if M > 0:
+        block_d = max(16, triton.next_power_of_2(D))
+        block_m = max(1, min(64, 4096 // block_d)) if x.device.type == "cuda" else 4
+        _row_quant_kernel[(triton.cdiv(M, block_m),)](rows, x_q, scale, M, D, rows.stride(0), BLOCK_M=block_m,
+                                                     BLOCK_D=block_d, num_warps=4)
+    return x_q, scale
 
 
 @jit
