@@ -18,6 +18,8 @@ rows with a bf16 query.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import ops, quant
@@ -111,9 +113,7 @@ def fp8_context(layer, q_full: torch.Tensor, group: Group, kv_cache: torch.Tenso
     stored; tile rows (per-128 scales, bf16 k_pe) are rounded again to one scale a row."""
     r, dev = layer.cfg.kv_lora_rank, q_full.device
     B, s_q = len(group.seqs), group.s_q
-    offsets = [0]
-    for n in group.key_counts:
-        offsets.append(offsets[-1] + n)
+    offsets = list(itertools.accumulate(group.key_counts, initial=0))
     cu_k = torch.tensor(offsets, dtype=torch.int32).to(dev, non_blocking=True)
     cu_q = torch.arange(0, (B + 1) * s_q, s_q, dtype=torch.int32, device=dev)
     stored = ops.gather_latent(kv_cache, group.block_table, torch.zeros(B, dtype=torch.int32, device=dev), cu_k,

@@ -15,6 +15,12 @@ Schedule of the Triton kernel (tutorial 06, varlen):
         keys [0, full_end):   every query of the tile sees every key, no mask
         keys [full_end, hi):  the diagonal band, masked (causal / sequence end)
         S = q_a k_a^T + q_b k_b^T, online softmax in base 2, acc += P v
+
+FP8 mode (``mla.ops.fp8_prefill_attention``, ``FP8``): k and v e4m3 with a scale a key row (or
+one), one key head for every query head where k has one (stride 0); the q tile rounded to
+e4m3 per row as it is loaded; S scaled by both rows' scales; P rounded to e4m3 per key block
+(``reference.fp8_prefill_attention`` emulates the whole arithmetic). Which dots run on e4m3
+MMAs is ``FP8_QK``'s (``launch``: where Triton 3.6 computes them right).
 """
 from __future__ import annotations
 
