@@ -36,6 +36,7 @@ from torch import nn
 from . import absorbed, expanded, ops, sparse, sparse_cp
 from .batch import Batch
 from .config import MLAConfig
+from .ops._checks import check_fp8_tensor_cores
 from .parallel import Parallel, shard_block_fp8, shard_hf_weights
 from .plan import Plan
 from .projections import output_gate, query_projection
@@ -71,11 +72,8 @@ class MLA(nn.Module):
             raise ValueError(f"fp8_weights: expected one of {FP8_WEIGHTS}, got {fp8_weights!r}")
         if not isinstance(fp8_attention, bool):
             raise ValueError(f"fp8_attention: expected a bool, got {fp8_attention!r}"[:200])
-        if fp8_attention and torch.device(device).type == "cuda" and \
-                torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
-            cap = torch.cuda.get_device_capability(torch.device(device))
-            raise ValueError(f"fp8_attention: needs FP8 tensor cores (compute capability >= 8.9), {device} has "
-                             f"{cap[0]}.{cap[1]}")
+        if fp8_attention:
+            check_fp8_tensor_cores("fp8_attention", device)
         cfg.check_layer_idx(layer_idx)
         check_strategy(cfg, strategy)
         if parallel is not None:
@@ -241,8 +239,8 @@ class MLA(nn.Module):
             raise ValueError(f"batch: its cache is CP rank {cache.cp_rank} of {cache.cp_size}, the layer CP rank "
                              f"{cp_rank} of {cp}: give the layer and the cache the same parallel")
         if self.fp8_attention and cache.format == "plain":
-            raise ValueError(f"fp8_attention: needs an FP8 latent cache (PagedLatentCache dtype float8_e4m3fn), the "
-                             f"batch's cache stores {cache.dtype} rows")
+            raise ValueError(f"fp8_attention: needs an FP8 latent cache (PagedLatentCache dtype float8_e4m3fn), "
+                             f"the batch's cache stores {cache.dtype} rows")
         if cache.format == "plain" and cache.dtype != self.dtype:
             raise ValueError(f"batch: its cache stores {cache.dtype} rows, expected the layer's dtype {self.dtype} "
                              "(or an FP8 cache)")

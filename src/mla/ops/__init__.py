@@ -26,9 +26,8 @@ import torch
 
 from .. import quant
 from . import _library, reference
-from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_weight, check_int, check_int_vector,
-                      check_latent_query_cache,
-                      dense, describe, offsets_ok)
+from ._checks import (FLOAT, as_float, check, check_act, check_flag, check_fp8_tensor_cores, check_fp8_weight,
+                      check_int, check_int_vector, check_latent_query_cache, dense, describe, offsets_ok)
 from .backend import resolve_backend, triton_available
 
 __all__ = ["mla_decode", "prefill_attention", "fp8_prefill_attention", "merge_attention", "rms_norm", "rms_norm_pair",
@@ -171,10 +170,8 @@ def fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
         check(t.device == q.device, lambda: f"{name}: expected device {q.device}, got {t.device}")
     cu_seqlens_q, cu_seqlens_k, softmax_scale = _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                                              offsets_q, offsets_k)
-    if resolve_backend(backend, q.device) == "triton" and q.device.type == "cuda":
-        cap = torch.cuda.get_device_capability(q.device)
-        check(cap >= (8, 9), lambda: f"q: fp8_prefill_attention needs FP8 tensor cores (compute capability >= 8.9), "
-                                     f"{q.device} has {cap[0]}.{cap[1]}")
+    if resolve_backend(backend, q.device) == "triton":
+        check_fp8_tensor_cores("q: fp8_prefill_attention", q.device)
     offsets_q, offsets_k = (None if h is None else list(h) for h in (offsets_q, offsets_k))
     return _library.fp8_prefill_attention(q, k, v, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                           causal, offsets_q, offsets_k, backend)

@@ -133,6 +133,16 @@ def check_interpretable(op: str, is_reference: bool, device: torch.device, *tens
           "products wrongly; its kernels run float32 and float16 there)")
 
 
+def check_fp8_tensor_cores(name: str, device) -> None:
+    """A CUDA device with e4m3 tensor cores (compute capability >= 8.9), for the FP8 context
+    kernels; CPU devices (the interpreter, the reference) pass."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        check(cap >= (8, 9), lambda: f"{name}: needs FP8 tensor cores (compute capability >= 8.9), {device} has "
+                                     f"{cap[0]}.{cap[1]}")
+
+
 def check_act(x, dims: str) -> None:
     ndim = dims.count(",") + 1
     check(isinstance(x, torch.Tensor) and x.dim() == ndim,

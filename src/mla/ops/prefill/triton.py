@@ -286,8 +286,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
     kh, vh = (0, 0) if shared else (k.stride(1), v.stride(1))
     if fp8:
         k_scale, v_scale = k_scale.float(), v_scale.float()
-        per_row = v_scale.numel() > 1 or v_scale.dim() == 2
-        v_max = v_scale.amax(0) if per_row else v_scale.reshape(1)   # [Hk]: the head's largest row scale
+        v_max = v_scale.amax(0) if v_scale.dim() == 2 else v_scale.reshape(1)   # [Hk]: the head's largest row scale
         ks = (0, 0) if k_scale.dim() < 2 else (k_scale.stride(0), 0 if shared else k_scale.stride(1))
         vs = (0, 0) if v_scale.dim() < 2 else (v_scale.stride(0), 0 if shared else v_scale.stride(1))
         vm = 0 if (shared or v_max.numel() == 1) else v_max.stride(0)
