@@ -105,6 +105,53 @@ def test_kernel_on_gpu_is_no_worse_than_its_emulation(H, Hk, dq, dv, lens_q, len
     assert (lse[fin] - exact_lse[fin]).abs().max() < 0.1
 
 
+def _key_major(v):
+    """v [Tk, Hk, dv] as a view of a [Hk, dv, Tk] buffer: stride 1 along the keys."""
+    return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_key_major_values_give_the_same_result(backend):
+    q, k, v, ks, vs, cu_q, cu_k = _case(3, 3, 24, 16, [5, 0, 20], [9, 3, 20], True, "cpu")
+    v = v.clone()
+    v[9:12] = float("nan")         # the sequence with no queries: its values must not be read
+    want = ops.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, 0.3, True, backend=backend)
+    vt = _key_major(v)
+    assert vt.stride(0) == 1 and torch.equal(vt.float().nan_to_num(), v.float().nan_to_num())
+    got = ops.fp8_prefill_attention(q, k, vt, ks, vs, cu_q, cu_k, 0.3, True, backend=backend)
+    assert not got[0].isnan().any()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_e4m3_pv_needs_key_major_values():
+    from mla.ops.prefill import triton as kernel
+    q, k, v, ks, vs, cu_q, cu_k = _case(3, 3, 24, 16, [5, 2], [9, 3], True, "cpu")
+    with pytest.raises(ValueError, match="fp8_pv: needs float8_e4m3fn v key-major"):
+        kernel.launch(q, k, v, cu_q, cu_k, 0.3, True, kernel.fp8_config(q, 24, 16), ks, vs, fp8_pv=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H, Hk, dq, dv, lens_q, lens_k, per_row, causal", [
+    (3, 3, 40, 32, [5, 0, 20], [9, 3, 20], True, True),
+    (16, 16, 192, 128, [300, 1000], [300, 1500], True, True),
+    (4, 1, 64, 64, [33, 7], [90, 7], False, False),
+])
+def test_e4m3_pv_on_gpu_is_no_worse_than_its_emulation(H, Hk, dq, dv, lens_q, lens_k, per_row, causal):
+    """P V on e4m3 MMAs (``launch(fp8_pv=True)``, key-major v): the bound of the fp16-MMA path."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    from mla.ops.prefill import triton as kernel
+    q, k, v, ks, vs, cu_q, cu_k = _case(H, Hk, dq, dv, lens_q, lens_k, per_row, "cuda", torch.bfloat16)
+    scale = dq ** -0.5
+    cfg = kernel.fp8_config(q, dq, dv)
+    out, lse = kernel.launch(q, k, _key_major(v), cu_q, cu_k, scale, causal, cfg, ks, vs, fp8_pv=True)
+    ref, _ = reference.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, scale, causal, block_n=cfg.block_n)
+    exact, exact_lse = _exact(q, k, v, ks, vs, cu_q, cu_k, scale, causal)
+    assert not out.isnan().any() and torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
+    assert _rel(out, exact) <= 1.1 * _rel(ref, exact) + 4e-3
+
+
 def test_zero_sizes():
     q, k, v, ks, vs, cu_q, cu_k = _case(3, 3, 24, 16, [0, 0], [0, 5], True, "cpu")
     out, lse = ops.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, 0.3, backend="triton")

@@ -52,16 +52,17 @@ class PrefillConfig:
 
 @jit
 def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr, vs_ptr, v_max,
-               stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+               stride_kt, stride_vt, stride_vd, stride_kst, stride_vst, qk_scale,
                DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DA: tl.constexpr,
                BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_QK: tl.constexpr,
-               EXACT_CAST: tl.constexpr):
+               FP8_PV: tl.constexpr, EXACT_CAST: tl.constexpr):
     """One block of BLOCK_N keys into the online softmax (m_i, l_i in base 2, acc). MASKED: the
     block may hold keys past the sequence or past a query's causal limit. FP8: k and v are
     e4m3 with a scale a key row, q_a/q_b e4m3 with q_s a query row; P is rounded to e4m3 at
     448 P w (w = the row's v scale / v_max, so P w <= 1) and l sums what P_q stands for.
-    FP8_QK: Q K^T on e4m3 MMAs, else on fp16 MMAs of the same values; P V always on fp16."""
+    FP8_QK: Q K^T on e4m3 MMAs, else on fp16 MMAs of the same values; FP8_PV: P V likewise
+    (v key-major: stride_vt 1, the layout an e4m3 MMA reads its B operand in)."""
     da = tl.arange(0, BLOCK_DA)
     db = tl.arange(0, BLOCK_DB)
     dv = tl.arange(0, BLOCK_DV)
@@ -94,7 +95,7 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
         m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :],
+    v = tl.load(v_ptr + n.to(tl.int64)[:, None] * stride_vt + dv[None, :] * stride_vd,
                 mask=(n_ok[:, None] if MASKED else True) & (dv[None, :] < DV), other=0.0)
     if FP8:
         w = tl.load(vs_ptr + n.to(tl.int64) * stride_vst, mask=n_ok, other=1.0) / v_max   # <= 1
@@ -103,8 +104,10 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
         # e4m3 widens through fp16: straight to float32 it is wrong in some layouts (docs/kernels.md)
         p16 = _widen(p_q, EXACT_CAST)
         l_i = l_i * alpha + tl.sum(p16.to(tl.float32) * (1.0 / (w * 448.0))[None, :], 1)
-        # P V on fp16 MMAs: Triton 3.6's e4m3 MMA with P from registers gives NaN (docs/kernels.md)
-        acc = tl.dot(p16, _widen(v, EXACT_CAST), acc * alpha[:, None])
+        if FP8_PV:
+            acc = tl.dot(p_q, v, acc * alpha[:, None])
+        else:   # Triton 3.6's e4m3 MMA on row-major v gives NaN (docs/kernels.md)
+            acc = tl.dot(p16, _widen(v, EXACT_CAST), acc * alpha[:, None])
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -114,13 +117,14 @@ def _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_
 @jit
 def _prefill_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, KS, VS, VMAX,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lt,
     stride_kst, stride_ksh, stride_vst, stride_vsh, stride_vmh,
     qk_scale, B,
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG_B: tl.constexpr, FP8: tl.constexpr = False, FP8_QK: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    LOG_B: tl.constexpr, FP8: tl.constexpr = False, FP8_QK: tl.constexpr = False, FP8_PV: tl.constexpr = False,
+    EXACT_CAST: tl.constexpr = False,
 ):
     # Tiles cut a padded row space where sequence b starts at P[b] = cu_q[b] + b * BLOCK_M:
     # the BLOCK_M rows of padding after each sequence mean a tile meets at most one of them
@@ -182,14 +186,16 @@ def _prefill_kernel(
     # band and the sequence's last partial block, masked.
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+                                   vs_ptr, v_max, stride_kt, stride_vt, stride_vd, stride_kst, stride_vst,
+                                   qk_scale,
                                    DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION,
-                                   FP8, FP8_QK, EXACT_CAST)
+                                   FP8, FP8_QK, FP8_PV, EXACT_CAST)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _key_block(q_a, q_b, q_s, m_i, l_i, acc, start_n, offs_m, off, nk, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, v_max, stride_kt, stride_vt, stride_kst, stride_vst, qk_scale,
+                                   vs_ptr, v_max, stride_kt, stride_vt, stride_vd, stride_kst, stride_vst,
+                                   qk_scale,
                                    DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION,
-                                   FP8, FP8_QK, EXACT_CAST)
+                                   FP8, FP8_QK, FP8_PV, EXACT_CAST)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -266,17 +272,28 @@ def fp8_config(q: torch.Tensor, dq: int, dv: int) -> PrefillConfig:
 
 
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig, k_scale=None,
-           v_scale=None):
+           v_scale=None, fp8_pv: bool = False):
     """The Triton kernel with an explicit tile config (the benchmark compares several).
     No host synchronisation: the grid is bounded by ceil(Tq / BLOCK_M) + B tiles.
 
     FP8 (k and v float8_e4m3fn, ``mla.ops.fp8_prefill_attention``): k [Tk, Hk, dq] with Hk = H
-    or 1 (every head reads the one key row), k_scale / v_scale float32 [1] or [Tk, Hk]."""
+    or 1 (every head reads the one key row), k_scale / v_scale float32 [1] or [Tk, Hk]. v may be
+    key-major (``v.stride(0) == 1``: a [Hk, dv, Tk] buffer viewed as [Tk, Hk, dv]). fp8_pv: P V
+    on e4m3 MMAs, which needs key-major v (the layout an e4m3 MMA takes its B operand in; row-major
+    v gives NaN on Triton 3.6) and values of at most 256 columns; off, P V runs on fp16 MMAs of
+    the same e4m3 values (exact). The op leaves it off until ``benchmarks/fp8_context.py`` (its
+    ``fp8_pv`` row) has shown it right and faster on the GPU."""
     Tq, H, dq = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
     fp8 = k.dtype == torch.float8_e4m3fn
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    key_major = fp8 and v.stride(0) == 1 and v.shape[0] > 1      # v [Tk, Hk, dv] viewing [Hk, dv, Tk]
+    if not key_major and v.stride(-1) != 1:
+        v = v.contiguous()
+    if fp8_pv and not (key_major and dv <= 256):
+        raise ValueError(f"fp8_pv: needs float8_e4m3fn v key-major (stride(0) == 1) with dv <= 256, got "
+                         f"{v.dtype} v of shape {tuple(v.shape)}, strides {v.stride()}")
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()   # read at unit stride
     out = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
@@ -297,7 +314,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
     grid = (triton.cdiv(Tq, cfg.block_m) + B, H)
     _prefill_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, k_scale, v_scale, v_max,
-        q.stride(0), q.stride(1), k.stride(0), kh, v.stride(0), vh,
+        q.stride(0), q.stride(1), k.stride(0), kh, v.stride(0), vh, v.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), *ks, *vs, vm,
         softmax_scale * _LOG2E, B,
         DA=da, DB=db, DV=dv,
@@ -309,6 +326,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
         # lower), values of at most 256 (the absorbed 512-wide accumulator breaks them)
         # (the interpreter: fp16 MMAs of the same values, whose widening keeps NaN)
         FP8=fp8, FP8_QK=fp8 and dv <= 256 and da >= 32 and (db == 0 or db >= 32) and q.device.type == "cuda",
+        FP8_PV=fp8_pv and q.device.type == "cuda",
         EXACT_CAST=fp8 and q.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
