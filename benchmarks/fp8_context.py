@@ -1,6 +1,6 @@
 """FP8 context attention (``mla.ops.fp8_prefill_attention``) against mla's bf16 prefill, on the GPU.
 
-    PYTHONPATH=src python3 benchmarks/fp8_context.py [--quick] [--heads 128 16] [--csv FILE]
+    PYTHONPATH=src python3 benchmarks/fp8_context.py [--quick] [--heads 128 16] [--csv FILE] [--layer]
 
 One sequence of n new tokens over c cached ones (causal, ends aligned), DeepSeek-V3's shapes:
 
@@ -15,6 +15,12 @@ One sequence of n new tokens over c cached ones (causal, ends aligned), DeepSeek
 - absorbed: q [n, H, 576] over latent rows [c + n, 1, 576] (values: their first 512
   columns), the FP8 cache's rows as they are stored (one scale): ``fp8`` and ``bf16_triton``
   (the same kernel on bf16 rows).
+
+``--layer`` (instead of the op grid): the whole layer (DeepSeek-V3 dimensions, random bf16
+weights, a per-tensor FP8 cache) on n new tokens over c cached ones, the strategy pinned to
+the expanded path ("cached": gather, expand, attend) or the absorbed one, with 16-bit and with
+FP8 context attention, beside the 16-bit rule's own choice: where the absorbed FP8 path stops
+beating the expanded one is the crossover the strategy rule needs.
 
 Every provider is timed eagerly with the L2 flushed (``mla.bench.timing.eager_time_us``) in 2
 interleaved rounds, median kept. TFLOP/s counts the visible (query, key) pairs:
@@ -155,16 +161,66 @@ def fa3_accuracy(n: int = 4096, H: int = 16, d: int = 128, seed: int = 2):
     return {name: (o.float() - want).pow(2).mean().sqrt().item() for name, o in got.items()}
 
 
+def layer_rows(heads, news=(16, 64, 256, 1024, 4096), prefixes=(4096, 32768), device="cuda",
+               timer=eager_time_us):
+    """The layer's context call per (heads, n new, c cached) and (strategy, FP8 attention)."""
+    import mla
+    from mla.bench.layer_step import v3_config
+    from mla.testing import random_state_dict
+
+    rows = []
+    for H in heads:
+        cfg = v3_config(H)
+        sd = random_state_dict(cfg, torch.Generator().manual_seed(0))
+        layers = {}
+        for name, strategy, fp8 in (("bf16 rule", None, False), ("bf16 expanded", "cached", False),
+                                    ("bf16 absorbed", "absorbed", False), ("fp8 expanded", "cached", True),
+                                    ("fp8 absorbed", "absorbed", True)):
+            layers[name] = mla.MLA(cfg, dtype=torch.bfloat16, device=device, strategy=strategy, fp8_attention=fp8)
+            layers[name].load_hf_state_dict(sd)
+        for c in prefixes:
+            for n in news:
+                cache = mla.PagedLatentCache(cfg, num_blocks=(n + c) // 64 + 4, block_size=64,
+                                             dtype=torch.float8_e4m3fn, device=device)
+                layers["bf16 rule"](torch.randn(c, cfg.hidden_size, device=device, dtype=torch.bfloat16),
+                                    cache.prepare([("s", c)]))
+                batch = cache.prepare([("s", n)])
+                x = torch.randn(n, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+                outs, times = {}, {}
+                for name, layer in layers.items():
+                    outs[name] = layer(x, batch).float()    # plan and compile; later calls rewrite the same slots
+                for r in range(ROUNDS):
+                    for name, layer in list(layers.items())[:: 1 if r % 2 == 0 else -1]:
+                        times.setdefault(name, []).append(timer(lambda: layer(x, batch)))
+                ref = outs["bf16 expanded"]
+                rule = layers["bf16 rule"].plan(batch).strategy[0]
+                for name in layers:
+                    us = statistics.median(times[name])
+                    err = ((outs[name] - ref).norm() / ref.norm()).item()
+                    rows.append(dict(form="layer", heads=H, new=n, cached=c, provider=name, us=round(us, 1),
+                                     tokens_per_s=round(n / us * 1e6), err_vs_bf16_expanded=f"{err:.2e}",
+                                     rule=rule))
+                    print(f"layer H{H:<3d} n{n:<5d} c{c:<6d} {name:14s} {us:10.1f} us {n / us * 1e6:10.0f} tok/s  "
+                          f"err {err:.2e}" + (f"  (rule: {rule})" if name == "bf16 rule" else ""), flush=True)
+                del cache
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="n 4096 only")
     ap.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     ap.add_argument("--csv", help="write the rows here too")
+    ap.add_argument("--layer", action="store_true", help="the layer's strategies with and without FP8 attention")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.layer:
+        _write(args.csv, layer_rows(args.heads))
+        return 0
     for form in ("expanded", "absorbed"):
         print(f"accuracy {form} H16 n2048:", {k: f"{v:.2e}" for k, v in accuracy(form, 16, 2048).items()})
     print("RMSE on FlashAttention-3's outlier data, H16 d128 n4096:",
@@ -193,12 +249,16 @@ def main(argv=None) -> int:
                               f"{flops / us / 1e6:7.1f} TFLOP/s  {base / us:5.2f}x bf16")
                     del q, k, v
                     torch.cuda.empty_cache()
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
+    _write(args.csv, rows)
+    return 0
+
+
+def _write(path, rows):
+    if path and rows:
+        with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    return 0
 
 
 if __name__ == "__main__":
