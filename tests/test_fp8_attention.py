@@ -243,6 +243,17 @@ def test_fp8_attention_is_refused_without_an_fp8_cache():
     assert torch.equal(cache.layer(0), before)        # nothing written
 
 
+def test_fp8_attention_is_refused_for_a_sparse_config():
+    """The sparse path (top-k keys) has no e4m3 arithmetic: asking for FP8 context attention on a
+    DeepSeek Sparse Attention config is refused by name, not served in part."""
+    import dataclasses
+    import mla
+    cfg = dataclasses.replace(mla.MLAConfig.preset("tiny"), index_topk=8, index_n_heads=2, index_head_dim=16)
+    with pytest.raises(ValueError, match="fp8_attention: 'tiny' attends through its sparse indexer"):
+        mla.MLA(cfg, dtype=torch.float32, fp8_attention=True)
+    assert mla.MLA(cfg, dtype=torch.float32).fp8_attention is False
+
+
 # ---------------------------------------------------------------- mla.hf.patch(fp8_attention=True)
 def test_patch_with_fp8_attention_generates_and_refuses_a_plain_cache():
     """A patched DeepSeek-V3 model on an FP8 cache, prompts on FP8 attention: generate runs, its

@@ -76,6 +76,10 @@ class MLA(nn.Module):
             check_fp8_tensor_cores("fp8_attention", device)
         cfg.check_layer_idx(layer_idx)
         check_strategy(cfg, strategy)
+        if fp8_attention and (cfg.has_indexer or cfg.attention_sinks):
+            raise ValueError(f"fp8_attention: {cfg.name!r} attends through its sparse indexer (DeepSeek Sparse "
+                             "Attention), whose kernels have no e4m3 arithmetic; FP8 context attention serves "
+                             "dense MLA configs")
         if parallel is not None:
             if not isinstance(parallel, Parallel):
                 raise ValueError(f"parallel: expected a mla.Parallel or None, got {type(parallel).__name__}")
