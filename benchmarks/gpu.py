@@ -10,6 +10,8 @@
    merge, the layer's context phase.
 3. FP8 GEMMs (``benchmarks/fp8_gemm.py``): block-scaled FP8 against bf16 and torch's scaled_mm.
 4. The FP8 layer (``benchmarks/fp8_layer.py``): FP8 weights and caches in a decode step.
+5. FP8 context attention (``benchmarks/fp8_context.py``): against the bf16 prefill, and the
+   layer's strategies with and without it.
 Multi-GPU runs are separate: ``benchmarks/multi_gpu.py``.
 """
 import os
@@ -19,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import fp8_context  # noqa: E402
 import fp8_gemm  # noqa: E402
 import fp8_layer  # noqa: E402
 
@@ -36,4 +39,6 @@ if __name__ == "__main__":
     rc |= bench(["prefill"] + (["--quick"] if quick else []))
     rc |= fp8_gemm.main(["--m", "1", "64", "4096"] if quick else [])
     rc |= fp8_layer.main(["--batch", "1", "128"])
+    rc |= fp8_context.main(["--quick"] if quick else [])
+    rc |= fp8_context.main(["--layer"] + (["--heads", "128"] if quick else []))
     sys.exit(rc)
