@@ -32,7 +32,7 @@ import torch
 import mla
 from mla import ops, quant
 from mla.ops import reference
-from mla.testing import random_state_dict
+from mla.testing import random_state_dict, randomize_model
 from mla.ops.reference import decode_visible, gather_rows
 from mla.weights import quantize_checkpoint_fp8
 
@@ -166,21 +166,14 @@ def greedy_agreement(batch: int = 16, prompt: int = 64, new: int = 16, layers: i
     step FP8 context attention changes (the FP8 cache does not: the prompt attends its fresh
     latents); the later ones also follow every earlier difference. Random weights make the top
     two logits close, so a small error flips ties that a trained model's margins would keep."""
-    import math
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     hf = DeepseekV3Config(vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers,
                           first_k_dense_replace=layers, num_attention_heads=16, num_key_value_heads=16,
                           q_lora_rank=384, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                           v_head_dim=128, max_position_embeddings=1024)
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(hf).eval()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / math.sqrt(p.shape[-1])))
-            elif "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    model = randomize_model(DeepseekV3ForCausalLM(hf).eval(), g, gain=1.5)
     ids = torch.randint(0, hf.vocab_size, (batch, prompt), generator=g)
     cfg = mla.hf.patch_config(model)
     tokens = {}

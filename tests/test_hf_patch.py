@@ -19,6 +19,7 @@ import torch
 
 import hf_families as F
 import mla
+from mla.testing import randomize_model
 
 # The sparse families: prompts of 5-9 tokens + 8 new, past their top-k (8; GLM-5.3-Flash's 11 keys:
 # two pools of 4 and the open pool)
@@ -63,16 +64,7 @@ def make_model(case: str, seed: int = 0, **more):
         cfg._attn_implementation = "eager"
     module = importlib.import_module(f"transformers.models.{c.module}.modeling_{c.module}")
     model = getattr(module, CAUSAL_LM[c.family])(cfg).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (2.0 / math.sqrt(p.shape[-1])))
-            elif "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return randomize_model(model, torch.Generator().manual_seed(seed), gain=2.0)
 
 
 def prompts(batch: int, seed: int):

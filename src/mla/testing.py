@@ -14,7 +14,7 @@ from .ops.reference import rms_norm
 from .rope import apply_rope, cos_sin, query_temperature
 from .weights import hf_weight_shapes
 
-__all__ = ["random_state_dict", "dense_forward"]
+__all__ = ["random_state_dict", "randomize_model", "dense_forward"]
 
 
 def random_state_dict(cfg: MLAConfig, generator: torch.Generator, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -28,6 +28,20 @@ def random_state_dict(cfg: MLAConfig, generator: torch.Generator, prefix: str = 
         else:
             sd[prefix + name] = torch.randn(shape, generator=generator) * (1.5 / math.sqrt(shape[-1]))
     return sd
+
+
+@torch.no_grad()
+def randomize_model(model: torch.nn.Module, generator: torch.Generator, gain: float = 2.0) -> torch.nn.Module:
+    """A whole transformers model's parameters redrawn in place, in ``named_parameters`` order:
+    matrices N(0, (gain / sqrt(fan_in))^2), norms in [0.5, 1.5), other vectors N(0, 0.1^2). Returns it."""
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=generator) * (gain / math.sqrt(p.shape[-1])))
+        elif "norm" in name:
+            p.copy_(0.5 + torch.rand(p.shape, generator=generator))
+        else:
+            p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
 
 
 @torch.no_grad()
