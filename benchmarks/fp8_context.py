@@ -77,7 +77,7 @@ def providers(form: str, q, k, v, n: int, c: int, scale: float):
         out["bf16_triton"] = lambda: tp.launch(q, k, v, cq, ck, scale, True, tp.default_config(q, v.shape[-1]))
         (k8, ks), (v8, vs) = ops.quantize_rows_fp8(k), ops.quantize_rows_fp8(v)
         out["fp8"] = lambda: ops.fp8_prefill_attention(q, k8, v8, ks, vs, cq, ck, scale, True)
-        vt = v8.permute(1, 2, 0).contiguous().permute(2, 0, 1)      # key-major: [H, 128, Tk] viewed as [Tk, H, 128]
+        vt = tp.key_major(v8)
         cfg = tp.fp8_config(q, 192, 128)
         out["fp8_pv"] = lambda: tp.launch(q, k8, vt, cq, ck, scale, True, cfg, ks, vs, fp8_pv=True)
 
@@ -146,13 +146,9 @@ def fa3_accuracy(n: int = 4096, H: int = 16, d: int = 128, seed: int = 2):
     N(0, 1) with 0.1% of them N(0, 10) (outliers), non-causal, one sequence. The paper reports
     2.4e-2 for per-tensor FP8 attention and 9.1e-3 for its own FP8 kernel (block quantization and
     incoherent processing)."""
+    from fp8_accuracy import draw_inputs
     g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def draw():
-        x = torch.randn(n, H, d, device="cuda", generator=g)
-        spike = torch.rand(n, H, d, device="cuda", generator=g) < 1e-3
-        return torch.where(spike, 10 * torch.randn(n, H, d, device="cuda", generator=g), x)
-    q, k, v = draw(), draw(), draw()
+    q, k, v = (draw_inputs((n, H, d), g, outliers=True, device="cuda") for _ in range(3))
     cq, scale = _cu(n), d ** -0.5
     want, _ = reference.prefill_attention(q, k, v, cq, cq, scale, False)
     (k8, ks), (v8, vs) = ops.quantize_rows_fp8(k), ops.quantize_rows_fp8(v)

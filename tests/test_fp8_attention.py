@@ -105,18 +105,14 @@ def test_kernel_on_gpu_is_no_worse_than_its_emulation(H, Hk, dq, dv, lens_q, len
     assert (lse[fin] - exact_lse[fin]).abs().max() < 0.1
 
 
-def _key_major(v):
-    """v [Tk, Hk, dv] as a view of a [Hk, dv, Tk] buffer: stride 1 along the keys."""
-    return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_key_major_values_give_the_same_result(backend):
     q, k, v, ks, vs, cu_q, cu_k = _case(3, 3, 24, 16, [5, 0, 20], [9, 3, 20], True, "cpu")
     v = v.clone()
     v[9:12] = float("nan")         # the sequence with no queries: its values must not be read
     want = ops.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, 0.3, True, backend=backend)
-    vt = _key_major(v)
+    from mla.ops.prefill.triton import key_major
+    vt = key_major(v)
     assert vt.stride(0) == 1 and torch.equal(vt.float().nan_to_num(), v.float().nan_to_num())
     got = ops.fp8_prefill_attention(q, k, vt, ks, vs, cu_q, cu_k, 0.3, True, backend=backend)
     assert not got[0].isnan().any()
@@ -145,7 +141,7 @@ def test_e4m3_pv_on_gpu_is_no_worse_than_its_emulation(H, Hk, dq, dv, lens_q, le
     q, k, v, ks, vs, cu_q, cu_k = _case(H, Hk, dq, dv, lens_q, lens_k, per_row, "cuda", torch.bfloat16)
     scale = dq ** -0.5
     cfg = kernel.fp8_config(q, dq, dv)
-    out, lse = kernel.launch(q, k, _key_major(v), cu_q, cu_k, scale, causal, cfg, ks, vs, fp8_pv=True)
+    out, lse = kernel.launch(q, k, kernel.key_major(v), cu_q, cu_k, scale, causal, cfg, ks, vs, fp8_pv=True)
     ref, _ = reference.fp8_prefill_attention(q, k, v, ks, vs, cu_q, cu_k, scale, causal, block_n=cfg.block_n)
     exact, exact_lse = _exact(q, k, v, ks, vs, cu_q, cu_k, scale, causal)
     assert not out.isnan().any() and torch.equal(torch.isinf(lse), torch.isinf(exact_lse))

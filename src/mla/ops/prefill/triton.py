@@ -271,6 +271,12 @@ def fp8_config(q: torch.Tensor, dq: int, dv: int) -> PrefillConfig:
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
+def key_major(v: torch.Tensor) -> torch.Tensor:
+    """v [Tk, Hk, dv] copied into a [Hk, dv, Tk] buffer and viewed as [Tk, Hk, dv] again: stride 1
+    along the keys, the layout ``launch(fp8_pv=True)`` takes."""
+    return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: PrefillConfig, k_scale=None,
            v_scale=None, fp8_pv: bool = False):
     """The Triton kernel with an explicit tile config (the benchmark compares several).
@@ -278,7 +284,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, cfg: Pref
 
     FP8 (k and v float8_e4m3fn, ``mla.ops.fp8_prefill_attention``): k [Tk, Hk, dq] with Hk = H
     or 1 (every head reads the one key row), k_scale / v_scale float32 [1] or [Tk, Hk]. v may be
-    key-major (``v.stride(0) == 1``: a [Hk, dv, Tk] buffer viewed as [Tk, Hk, dv]). fp8_pv: P V
+    key-major (``v.stride(0) == 1``, ``key_major``). fp8_pv: P V
     on e4m3 MMAs, which needs key-major v (the layout an e4m3 MMA takes its B operand in; row-major
     v gives NaN on Triton 3.6) and values of at most 256 columns; off, P V runs on fp16 MMAs of
     the same e4m3 values (exact). The op leaves it off until ``benchmarks/fp8_context.py`` (its
