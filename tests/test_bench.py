@@ -187,7 +187,8 @@ def test_decode_variants():
     assert (v.num_warps, v.block_n, v.block_m, v.num_stages, v.num_splits, v.page_tile) == (4, 32, 16, 3, 8, False)
     assert decode_variant("h8", cfg).num_splits == 1
     assert decode_variant("f-x2", cfg).flat and not cfg.flat
-    for bad in ("w", "z3", "g2", "f1", "w4--n32"):
+    assert decode_variant("p", cfg).persistent and not decode_variant("f-p", cfg).flat
+    for bad in ("w", "z3", "g2", "f1", "p2", "w4--n32"):
         with pytest.raises(ValueError):
             decode_variant(bad, cfg)
 

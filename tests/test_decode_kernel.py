@@ -13,6 +13,7 @@ most twice that of PyTorch computing the same thing in the input precision (plus
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -184,14 +185,22 @@ def test_cpu_plan_of_equal_lengths_is_the_fixed_split(lens, monkeypatch):
     assert torch.equal(first, torch.arange(len(lens)) * 3) and (count == 3).all()
 
 
+# a batch where the persistent schedule gives a program the pieces of 3 sequences or more
+SEVERAL_A_PROGRAM = [1, 2, 0, 3, 1, 5, 4, 2, 900]
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("schedule", ["flat", "persistent"])
 @pytest.mark.parametrize("lens,s_q,splits", [([300, 5, 0, 1, 17, 64], 2, 3), ([130, 20, 20, 20, 2], 1, 2),
-                                             ([0, 0, 33], 3, 2), ([64] * 4, 2, 3), ([90], 1, 4)])
-def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
-    """The portable kernel on the flattened plan (``split_plan.planned_split(FLAT)``): a program a piece
-    of the batch's chunks laid end to end, merged by the combine; empty sequences, rows that
-    see nothing (length < s_q), equal lengths and one sequence; the output matches the oracle
-    and the plan's info is the host's."""
+                                             ([0, 0, 33], 3, 2), ([64] * 4, 2, 3), ([90], 1, 4),
+                                             (SEVERAL_A_PROGRAM, 1, 2)])
+def test_cpu_pieces_across_sequences(lens, s_q, splits, schedule, dtype, monkeypatch):
+    """The portable kernel on the flattened plan's pieces of the batch's chunks laid end to end,
+    merged by the combine: ``flat``, a program a piece (``split_plan.planned_split(FLAT)``), or
+    ``persistent``, num_splits x B programs each running the pieces of its window in turn
+    (``split_plan.schedule``; several sequences a program at ``SEVERAL_A_PROGRAM``). Empty
+    sequences, rows that see nothing (length < s_q), equal lengths and one sequence; the output
+    matches the oracle and the plan's info is the host's."""
     seen = {}
     planned = split_plan.planned_results
 
@@ -200,10 +209,21 @@ def test_cpu_flat_plan(lens, s_q, splits, dtype, monkeypatch):
         seen["info"], seen["slots"] = info, o.shape[0]
         return o, l_, info
     monkeypatch.setattr(dcombine, "planned_results", spy)
-    cfg = portable.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits, flat=True)
+    cfg = portable.DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits,
+                                flat=schedule == "flat", persistent=schedule == "persistent")
     check(lens, s_q, 3, dv=64, dr=16, block_size=16, dtype=dtype, device="cpu", seed=len(lens), cfg=cfg)
     assert seen["info"].tolist() == split_plan.flat_plan(lens, splits, 16)[1]
     assert seen["slots"] == split_plan.flat_programs(splits, len(lens))
+
+
+def test_several_a_program_is_what_it_says():
+    begins = split_plan.persistent_plan(SEVERAL_A_PROGRAM, 2, 16)[0]
+    assert max(b - a for a, b in zip(begins, begins[1:])) >= 3
+
+
+def test_decode_config_takes_one_schedule():
+    with pytest.raises(ValueError, match="flat and persistent"):
+        portable.DecodeConfig(flat=True, persistent=True)
 
 
 def plan_info(lens, splits, monkeypatch):
@@ -428,6 +448,17 @@ def test_gpu_combine(S, H, dv):
     check_combine(S, 4, 1, H, dv, torch.float32, "cuda", seed=S)
     check_combine(S, 2, 2, H, dv, torch.bfloat16, "cuda", seed=S + 1)
     check_combine(S, 2, 2, H, dv, torch.bfloat16, "cuda", seed=S + 2, part_dtype=torch.bfloat16)  # the kernels'
+
+
+@gpu
+@pytest.mark.parametrize("H,s_q", [(16, 1), (128, 1), (16, 4), (63, 2)])
+@pytest.mark.parametrize("lens", [[4096] + [256] * 31, [700, 1, 0, 4099, 2048, 3, 3, 3], [1024] * 8],
+                         ids=["one-long", "mixed", "equal"])
+def test_gpu_persistent_schedule(H, s_q, lens):
+    """The persistent schedule on the GPU's tiles (64-row, 64-key), mixes and equal lengths."""
+    q = torch.empty(len(lens), s_q, H, 576, device="cuda")
+    cfg = dataclasses.replace(portable.default_config(q, 8192), num_splits=4, persistent=True)
+    check(lens, s_q, H, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", seed=H + s_q, cfg=cfg)
 
 
 @gpu

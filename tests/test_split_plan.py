@@ -204,3 +204,63 @@ def test_triton_flat_plan_clamps_lengths_cpu(lens, num_splits, max_len):
     got = _triton_flat_plan(lens, num_splits, 16, max_len)
     assert got == split_plan.flat_plan([min(max(n, 0), max_len) for n in lens], num_splits, 16)
 
+
+# ---------------------------------------------------------------- the persistent schedule
+
+_LONG_BATCH = torch.randint(0, 300, (130,), generator=torch.Generator().manual_seed(6)).tolist()
+PERSISTENT_CASES = FLAT_CASES + [([1] * 3 + [0] * 5 + [2], 2), ([0, 0, 0], 3), (_LONG_BATCH, 2)]
+
+
+def test_host_persistent_plan_gives_every_program_a_window():
+    """``persistent_plan``: its pieces are the flattened plan's; program p's pieces are
+    consecutive, together they are every real piece once, in order, and at mixed lengths they
+    lie in the window [p W, (p + 1) W) of the batch's chunks (W = ceil(total / P)), so that no
+    program holds more than W chunks; equal lengths: one piece a program."""
+    for lens, S in PERSISTENT_CASES:
+        begins, pieces, info = split_plan.persistent_plan(lens, S, 16)
+        B, P = len(lens), S * len(lens)
+        assert (pieces, info) == split_plan.flat_plan(lens, S, 16)
+        assert len(begins) == P + 1 and begins[0] == 0 and begins == sorted(begins)
+        if min(lens) == max(lens):
+            assert begins == list(range(P + 1))
+            continue
+        real = sum(count for _, count in info)
+        assert begins[-1] == real and set(pieces[real:]) <= {(0, 0, 0)}
+        chunks = [-(-n // 16) for n in lens]
+        starts = [sum(chunks[:b]) for b in range(B)]
+        W = max(1, -(-sum(chunks) // P))
+        for p in range(P):
+            mine = pieces[begins[p]:begins[p + 1]]
+            pos = [(starts[b] + s // 16, starts[b] + -(-e // 16)) for b, s, e in mine]
+            assert all(p * W <= lo < hi <= (p + 1) * W for lo, hi in pos), (lens, S, p, mine)
+            assert sum(hi - lo for lo, hi in pos) <= W
+
+
+def _schedule(lens, num_splits, chunk, max_len=2**20):
+    sched, info = split_plan.schedule(torch.tensor(lens, dtype=torch.int32), num_splits, max_len, chunk)
+    P = num_splits * len(lens)
+    return sched[:P + 1].tolist(), [tuple(x) for x in sched[P + 1:].view(-1, 3).tolist()], info.tolist()
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("lens,num_splits", PERSISTENT_CASES)
+def test_schedule_is_the_host_persistent_plan_cpu(lens, num_splits, chunk):
+    """The schedule kernel (several programs of ``SCHEDULE_BLOCK`` pieces at B 130) against its
+    host oracle, begins, pieces and info alike."""
+    assert _schedule(lens, num_splits, chunk) == split_plan.persistent_plan(lens, num_splits, chunk)
+
+
+@pytest.mark.parametrize("lens,num_splits,max_len", CLAMPED)
+def test_schedule_clamps_lengths_cpu(lens, num_splits, max_len):
+    got = _schedule(lens, num_splits, 16, max_len)
+    assert got == split_plan.persistent_plan([min(max(n, 0), max_len) for n in lens], num_splits, 16)
+
+
+def test_schedule_refuses_what_it_cannot_plan():
+    lens = torch.tensor([5, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        split_plan.schedule(lens[:0], 2, 64, 16)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_plan.schedule(lens, 0, 64, 16)
+    with pytest.raises(ValueError, match="max_len"):
+        split_plan.schedule(lens, 2, 2**40, 16)

@@ -4,7 +4,8 @@ instructions (a layout conversion that is not free shows up as extra STS/LDS/SHF
 
     PYTHONPATH=src python3 tools/compile_sm90.py {fp8,fp8tile,seesaw,seesaw-fp8,seesaw-fp8tile,narrow,sparse,
                                                   sparse-f32,sparse-fp8,sparse-fp8tile,
-                                                  portable,portable-page16,portable-fp8,portable-tile,portable-fp32}
+                                                  portable,portable-page16,portable-fp8,portable-tile,portable-fp32,
+                                                  portable-persistent}
         [--block-b 32] [--partials bf16]
 
 Each kernel is compiled from the module as it is (no source edits), with the constexprs a
@@ -174,10 +175,11 @@ def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64, kv: str = "bf1
     return compile_gluon(m._sparse_kernel, sig, cx, aligned, maxnreg=168)
 
 
-def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True):
+def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True, persistent: bool = False):
     """the portable Triton kernel (or that of another module with the same kernel) on bf16 queries
     over rows of kv ("bf16", "fp8" per-tensor, "tile" FP8 tile rows; "fp32": float32 queries and
-    rows), 64-row and 64-key tiles, 8 warps; page_tile: pages a multiple of the key tile."""
+    rows), 64-row and 64-key tiles, 8 warps; page_tile: pages a multiple of the key tile;
+    persistent: on the persistent schedule (``split_plan.schedule``)."""
     from triton.compiler import ASTSource
 
     if m is None:
@@ -195,6 +197,8 @@ def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True):
                 "INFO": "*i32", "qk_scale": "fp32", "v_scale": "fp32"})
     cx = dict(CAUSAL=True, IEEE=kv == "fp32", PAGE_TILE=page_tile, KV_FMT={"fp8": 1, "tile": 2}.get(kv, 0),
               KEEP_NAN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_B=BLOCK_B)
+    if persistent:
+        cx["PERSISTENT"] = True
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
 
@@ -218,6 +222,7 @@ KERNELS = {
     "portable-fp8": lambda a: portable_kernel(kv="fp8"),
     "portable-tile": lambda a: portable_kernel(kv="tile", page_tile=False),
     "portable-fp32": lambda a: portable_kernel(kv="fp32", page_tile=False),
+    "portable-persistent": lambda a: portable_kernel(persistent=True),
 }
 
 

@@ -37,13 +37,14 @@ def decode_variant(name: str, cfg):
     ``default``, or dash-separated changes: ``w8`` warps, ``n32`` keys per tile, ``m32`` query
     rows per program, ``s3`` pipeline stages, ``x2`` / ``h2`` splits times / divided by 2,
     ``g`` gather every row's page (no one-page tile), ``f`` the flattened plan (runs across
-    sequences, ``split_plan.flat_plan``). Raises ValueError on an unknown part.
+    sequences, ``split_plan.flat_plan``), ``p`` the persistent schedule (``split_plan.schedule``).
+    Raises ValueError on an unknown part.
     """
     if name == "default":
         return cfg
     for part in name.split("-"):
         k, v = part[:1], part[1:]
-        if k in "wnmsxh" and not v.isdigit() or k in "gf" and v:
+        if k in "wnmsxh" and not v.isdigit() or k in "gfp" and v:
             raise ValueError(f"--variants: bad part {part!r} in {name!r}")
         if k == "w":
             cfg = replace(cfg, num_warps=int(v))
@@ -60,7 +61,9 @@ def decode_variant(name: str, cfg):
         elif k == "g":
             cfg = replace(cfg, page_tile=False)
         elif k == "f":
-            cfg = replace(cfg, flat=True)
+            cfg = replace(cfg, flat=True, persistent=False)
+        elif k == "p":
+            cfg = replace(cfg, persistent=True, flat=False)
         else:
             raise ValueError(f"--variants: unknown part {part!r} in {name!r}")
     return cfg

@@ -32,7 +32,8 @@ from triton.experimental.gluon import language as gl
 from .._jit import jit
 
 __all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits",
-           "MIXED_GRID_KEYS", "flat_programs", "flat_plan"]
+           "MIXED_GRID_KEYS", "flat_programs", "flat_plan",
+           "persistent_plan", "schedule", "SCHEDULE_BLOCK"]
 
 
 @jit
@@ -373,3 +374,119 @@ def _flat_piece(INFO, B, k, num_splits, i, ok, lens, BN: tl.constexpr):
     tl.store(INFO + 2 * i, tl.minimum(first, n - 1), mask=at)
     tl.store(INFO + 2 * i + 1, count, mask=at)
     return b, seqlen, start, end
+
+
+# ---------------------------------------------------------------- the persistent schedule
+#
+# The flattened plan's pieces, but P = num_splits * B programs instead of P + B - 1: program p
+# takes, in order, the pieces whose first chunk lies in its window [p W, (p + 1) W) of the
+# batch's chunks laid end to end (W = ceil(total / P), as above), so that every program holds
+# at most W chunks however the lengths mix, and the launch is one wave wherever the fixed split's
+# is. Piece k still writes slot k, so ``combine`` merges a sequence's consecutive slots as it
+# does the flattened plan's. Program p's first piece is p (the multiples of W below p W, while
+# they lie inside the batch) plus the non-empty sequences that start off a multiple of W before
+# p W. Equal lengths take the fixed split, one piece a program. The schedule is computed once,
+# on the device, by ``schedule`` (a small kernel, no host read, so a step can be captured in a
+# CUDA graph), and every program of the attention kernel reads its piece range and each piece's
+# (b, start, end) from it instead of running the plan itself.
+
+
+def persistent_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[int], list[tuple[int, int, int]],
+                                                                            list[list[int]]]:
+    """The persistent schedule on the host (the oracle of ``schedule``): (begins [P + 1], pieces,
+    info) with program p's pieces begins[p] .. begins[p + 1] - 1, pieces and info as
+    ``flat_plan``'s (pieces past begins[P]: (0, 0, 0), never run)."""
+    pieces, info = flat_plan(lens, num_splits, chunk)
+    B = len(lens)
+    P = num_splits * B
+    if B and min(lens) == max(lens):
+        return list(range(P + 1)), pieces, info
+    chunks = [-(-x // chunk) for x in lens]
+    W = max(1, -(-sum(chunks) // P))
+    firsts, pos = [], 0             # each real piece's first chunk, in the batch's order
+    for c in chunks:
+        firsts += [pos] + list(range((pos // W + 1) * W, pos + c, W)) if c else []
+        pos += c
+    return [sum(f < p * W for f in firsts) for p in range(P + 1)], pieces, info
+
+
+@jit
+def _schedule_kernel(SEQLENS, SCHED, INFO, B, num_splits, max_len, BN: tl.constexpr, BLOCK_B: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """``persistent_plan`` on the device: SCHED = [begins (P + 1) | pieces (P + B - 1) x (b,
+    start, end)], INFO [B, 2]; program j writes pieces and begins j BLOCK_K .. + BLOCK_K - 1
+    (the first also INFO). Lengths read clamped to 0 .. max_len, as ``planned_split`` does."""
+    i = tl.arange(0, BLOCK_B)
+    ok = i < B
+    lens = tl.minimum(tl.maximum(tl.load(SEQLENS + i, mask=ok, other=0), 0), max_len)
+    equal = tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0)
+    P = num_splits * B
+    n = P + B - 1
+    chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
+    starts = tl.cumsum(chunks, 0) - chunks
+    total = tl.sum(chunks, 0)
+    W = tl.maximum((total + P - 1) // P, 1)
+    cuts = ok & (chunks > 0) & (starts % W != 0)
+    first = (starts + W - 1) // W + tl.cumsum(cuts.to(tl.int32), 0) - cuts.to(tl.int32)
+    count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
+    first = tl.where(equal, i * num_splits, first)
+    count = tl.where(equal & ok, num_splits, count)
+
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mine = (count > 0)[None, :] & (first[None, :] <= k[:, None]) & (k[:, None] < (first + count)[None, :])
+    b = tl.sum(tl.where(mine, i[None, :], 0), 1)
+    seqlen = tl.sum(tl.where(mine, lens[None, :], 0), 1)
+    s0 = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+    cb = tl.sum(tl.where(mine, chunks[None, :], 0), 1)
+    j = k - tl.sum(tl.where(mine, first[None, :], 0), 1)
+    if equal:       # the fixed split: run j of num_splits
+        start = (j * cb // num_splits) * BN
+        end = tl.minimum((j + 1) * cb // num_splits * BN, seqlen)
+    else:
+        lo = tl.where(j == 0, s0, (s0 // W + j) * W)
+        hi = tl.minimum((s0 // W + j + 1) * W, s0 + cb)
+        start = (lo - s0) * BN
+        end = tl.minimum((hi - s0) * BN, seqlen)
+    real = tl.sum(mine.to(tl.int32), 1) > 0
+    piece = SCHED + (P + 1) + 3 * k
+    k_ok = k < n
+    tl.store(piece, tl.where(real, b, 0), mask=k_ok)
+    tl.store(piece + 1, tl.where(real, start, 0), mask=k_ok)
+    tl.store(piece + 2, tl.where(real, end, 0), mask=k_ok)
+
+    # begins: program p = k's first piece (the multiples of W inside the batch below p W, and
+    # the off-multiple sequence starts below it)
+    offs = tl.sum(tl.where(cuts[None, :] & (starts[None, :] < (k.to(tl.int64) * W)[:, None]), 1, 0), 1)
+    begin = tl.where(equal, k, tl.minimum(k, (total + W - 1) // W) + offs)
+    tl.store(SCHED + k, begin, mask=k <= P)
+    if tl.program_id(0) == 0:
+        tl.store(INFO + 2 * i, tl.minimum(first, n - 1), mask=ok)
+        tl.store(INFO + 2 * i + 1, count, mask=ok)
+
+
+SCHEDULE_BLOCK = 64     # pieces a program of ``schedule``
+
+
+def schedule(cache_seqlens: torch.Tensor, num_splits: int, max_len: int, chunk: int,
+             info: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent schedule of a batch (``persistent_plan``, computed on cache_seqlens' device,
+    no host read): (sched, info), sched int32 [P + 1 + 3 (P + B - 1)] (program p's pieces
+    sched[p] .. sched[p + 1] - 1; piece k's (b, start, end) at P + 1 + 3 k), info [B, 2] int32
+    for ``combine`` (written into info where given). chunk: the attention kernel's key tile."""
+    B = cache_seqlens.shape[0]
+    if B == 0:
+        raise ValueError("cache_seqlens: the schedule of an empty batch has no programs")
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected at least 1, got {num_splits}")
+    P = num_splits * B
+    if max(num_splits, B) * -(-max_len // chunk) >= 2 ** 31:
+        raise ValueError(f"max_len: {max_len} keys in {num_splits} splits of a batch of {B} is past the "
+                         f"schedule's int32 arithmetic")
+    dev = cache_seqlens.device
+    sched = torch.empty(P + 1 + 3 * (P + B - 1), dtype=torch.int32, device=dev)
+    if info is None:
+        info = torch.empty(B, 2, dtype=torch.int32, device=dev)
+    _schedule_kernel[(triton.cdiv(max(P + 1, P + B - 1), SCHEDULE_BLOCK),)](
+        cache_seqlens.contiguous(), sched, info, B, num_splits, max_len, BN=chunk, BLOCK_B=block_b(B),
+        BLOCK_K=SCHEDULE_BLOCK, num_warps=4)
+    return sched, info
