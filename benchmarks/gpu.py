@@ -5,7 +5,8 @@
 1. decode (``mla bench decode``): the dispatched op, the portable Triton kernel and the Gluon
    kernels by name (the FP8 one on the FP8 caches), FlashInfer fa3 when installed (see
    docs/PERF.md for how it was brought), naive PyTorch; DeepSeek-V3 shapes, 16 and 128 heads;
-   bf16 cache, and the FP8 caches at 16 heads.
+   bf16 cache, and the FP8 caches at 16 heads; the mixes (``--mixed``) on the portable kernel's
+   three schedules (the split plan, ``p`` persistent, ``f`` flattened) beside the Gluon kernels.
 2. prefill (``mla bench prefill``): prefill attention against SDPA, RoPE + append, gather,
    merge, the layer's context phase.
 3. FP8 GEMMs (``benchmarks/fp8_gemm.py``): block-scaled FP8 against bf16 and torch's scaled_mm.
@@ -36,6 +37,7 @@ if __name__ == "__main__":
     rc = bench(["decode", "--kv-len", "4096", "16384"] + batch + kernels)
     rc |= bench(["decode", "--heads", "16", "--kv", "fp8", "fp8_tile", "--kv-len", "4096", "16384"] + batch
                 + [kernels[0], kernels[1] + ",gluon:fp8reg"])
+    rc |= bench(["decode", "--mixed"] + batch + ["--variants", "default,p,f,gluon:seesaw,gluon:narrow"])
     rc |= bench(["prefill"] + (["--quick"] if quick else []))
     rc |= fp8_gemm.main(["--m", "1", "64", "4096"] if quick else [])
     rc |= fp8_layer.main(["--batch", "1", "128"])
