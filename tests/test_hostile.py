@@ -177,12 +177,15 @@ def test_append_kernel_skips_slots_past_the_pool():
     written = kv.flatten(0, 1).abs().sum(-1) > 0
     assert written.nonzero().flatten().tolist() == [0, 3]
 
+@pytest.mark.parametrize("schedule", ["plan", "flat", "persistent"])
 @pytest.mark.parametrize("block_size", [16, 4])     # one table read a 16-key tile; a gather per key
-def test_decode_kernel_clamps_unchecked_values(block_size):
+def test_decode_kernel_clamps_unchecked_values(block_size, schedule):
     """Unchecked on CUDA, straight to the portable kernel (the interpreter reads real memory):
     block ids past the pool and negative, lengths negative and past the table. The kernel reads
-    them clamped (ids to the pool, lengths to 0 .. the table's capacity): the reference over the
-    clamped values, in float32."""
+    them clamped (ids to the pool, lengths to 0 .. the table's capacity), on each of its
+    schedules: the reference over the clamped values, in float32."""
+    import dataclasses
+
     from mla.ops import reference
     from mla.ops.decode import portable
 
@@ -191,7 +194,9 @@ def test_decode_kernel_clamps_unchecked_values(block_size):
     q = torch.randn(3, 1, 3, 40, generator=g)
     table = i32([4, 2**30, 1], [-2**30, 0, 3], [2, 2, 2])
     lens = i32(3 * block_size + 10**6, -7, 2 * block_size + 1)
-    got = portable.launch(q, kv, table, lens, 32, 0.3, True, portable.default_config(q, 3 * block_size))
+    cfg = dataclasses.replace(portable.default_config(q, 3 * block_size), num_splits=3, flat=schedule == "flat",
+                              persistent=schedule == "persistent")     # the latter two run with splits only
+    got = portable.launch(q, kv, table, lens, 32, 0.3, True, cfg)
     want = reference.mla_decode(q, kv, table.clamp(0, 4), lens.clamp(0, 3 * block_size), 32, 0.3)
     for g_, w in zip(got, want):
         torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-5)
