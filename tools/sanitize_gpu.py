@@ -136,12 +136,14 @@ def pick(n: int, topk: int, g: torch.Generator) -> torch.Tensor:
 
 def launch_decode(kernel, q, kv, table, seqlens, causal, splits, kv_scale, pdl, block_n):
     """One decode kernel by name, whatever ``mla.ops.decode.choose_kernel`` would pick (as
-    ``mla.bench.decode_providers`` calls them). splits None: the launcher's default count;
+    ``mla.bench.decode_providers`` calls them; ``portable-persistent``: the portable kernel on the
+    persistent schedule). splits None: the launcher's default count;
     block_n (the seesaw's key tile) None: its default."""
     from mla.ops.decode import portable
 
-    if kernel == "portable":
+    if kernel in ("portable", "portable-persistent"):
         cfg = portable.default_config(q, table.shape[1] * kv.shape[1])
+        cfg = replace(cfg, persistent=kernel == "portable-persistent")
         cfg = cfg if splits is None else replace(cfg, num_splits=splits)
         return portable.launch(q, kv, table, seqlens, DV, SCALE, causal, cfg, kv_scale, pdl=pdl)
     if torch.cuda.get_device_capability()[0] != 9:
@@ -441,6 +443,9 @@ CASES = {
     "decode/portable-fp8tile-h16-s2": P(decode, "portable", kv="fp8_tile", H=16, s_q=2),
     "decode/portable-fp8tile-h3-s1-1split": P(decode, "portable", kv="fp8_tile", H=3, s_q=1, splits=1),
     "decode/portable-bf16-empty": P(decode, "portable", H=16, lens=EMPTY),
+    "decode/portable-persistent-bf16-h16-s1": P(decode, "portable-persistent", H=16, s_q=1, splits=3),
+    "decode/portable-persistent-fp8tile-h3-s2": P(decode, "portable-persistent", kv="fp8_tile", H=3, s_q=2,
+                                                  splits=2),
     # seesaw: TMA output (64-row tiles, one split and 16-bit partials), float32 partials otherwise;
     # key tiles of 32 (its default at these batches) and 64
     "decode/seesaw-bf16-h128-s1-1split": P(decode, "seesaw", H=128, s_q=1, splits=1),
