@@ -33,7 +33,7 @@ from .._jit import jit
 
 __all__ = ["planned_split", "planned_split_gluon", "planned_results", "block_b", "plan", "mixed_splits",
            "MIXED_GRID_KEYS", "flat_programs", "flat_plan",
-           "persistent_plan", "schedule", "SCHEDULE_BLOCK"]
+           "persistent_plan", "schedule"]
 
 
 @jit
@@ -349,17 +349,26 @@ def flat_plan(lens: list[int], num_splits: int, chunk: int) -> tuple[list[tuple[
 
 
 @jit
-def _flat_piece(INFO, B, k, num_splits, i, ok, lens, BN: tl.constexpr):
-    """``planned_split(FLAT)``'s mixed lengths: program k's piece (b, seqlen, start, end),
-    (0, 0, 0, 0) past the last one, and INFO[b] = (first slot, count) for the sequences whose
-    first slot is k (an empty sequence: where it would start, the last program's past the end)."""
-    P = num_splits * B
+def _flat_pieces(lens, ok, P, BN: tl.constexpr):
+    """The flattened plan's sequences side by side (lanes ok): their chunks, first chunks in the
+    batch's order, the piece width W, whether each starts off a multiple of W (a cut of its own),
+    and each one's first piece and piece count."""
     chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
     starts = tl.cumsum(chunks, 0) - chunks
     W = tl.maximum((tl.sum(chunks, 0) + P - 1) // P, 1)
     cuts = (ok & (chunks > 0) & (starts % W != 0)).to(tl.int32)
     first = (starts + W - 1) // W + tl.cumsum(cuts, 0) - cuts
     count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
+    return chunks, starts, W, cuts, first, count
+
+
+@jit
+def _flat_piece(INFO, B, k, num_splits, i, ok, lens, BN: tl.constexpr):
+    """``planned_split(FLAT)``'s mixed lengths: program k's piece (b, seqlen, start, end),
+    (0, 0, 0, 0) past the last one, and INFO[b] = (first slot, count) for the sequences whose
+    first slot is k (an empty sequence: where it would start, the last program's past the end)."""
+    P = num_splits * B
+    chunks, starts, W, cuts, first, count = _flat_pieces(lens, ok, P, BN)
     mine = (chunks > 0) & (first <= k) & (k < first + count)
     b = tl.sum(tl.where(mine, i, 0), 0)
     seqlen = tl.sum(tl.where(mine, lens, 0), 0)
@@ -422,13 +431,8 @@ def _schedule_kernel(SEQLENS, SCHED, INFO, B, num_splits, max_len, BN: tl.conste
     equal = tl.min(tl.where(ok, lens, 2147483647), 0) == tl.max(lens, 0)
     P = num_splits * B
     n = P + B - 1
-    chunks = tl.where(ok, (lens + BN - 1) // BN, 0)
-    starts = tl.cumsum(chunks, 0) - chunks
+    chunks, starts, W, cuts, first, count = _flat_pieces(lens, ok, P, BN)
     total = tl.sum(chunks, 0)
-    W = tl.maximum((total + P - 1) // P, 1)
-    cuts = ok & (chunks > 0) & (starts % W != 0)
-    first = (starts + W - 1) // W + tl.cumsum(cuts.to(tl.int32), 0) - cuts.to(tl.int32)
-    count = tl.where(chunks > 0, (starts + chunks - 1) // W - starts // W + 1, 0)
     first = tl.where(equal, i * num_splits, first)
     count = tl.where(equal & ok, num_splits, count)
 
@@ -456,7 +460,7 @@ def _schedule_kernel(SEQLENS, SCHED, INFO, B, num_splits, max_len, BN: tl.conste
 
     # begins: program p = k's first piece (the multiples of W inside the batch below p W, and
     # the off-multiple sequence starts below it)
-    offs = tl.sum(tl.where(cuts[None, :] & (starts[None, :] < (k.to(tl.int64) * W)[:, None]), 1, 0), 1)
+    offs = tl.sum(tl.where((cuts[None, :] != 0) & (starts[None, :] < (k.to(tl.int64) * W)[:, None]), 1, 0), 1)
     begin = tl.where(equal, k, tl.minimum(k, (total + W - 1) // W) + offs)
     tl.store(SCHED + k, begin, mask=k <= P)
     if tl.program_id(0) == 0:
