@@ -456,7 +456,7 @@ def test_gpu_combine(S, H, dv):
                          ids=["one-long", "mixed", "equal"])
 def test_gpu_persistent_schedule(H, s_q, lens):
     """The persistent schedule on the GPU's tiles (64-row, 64-key), mixes and equal lengths."""
-    q = torch.empty(len(lens), s_q, H, 576, device="cuda")
+    q = torch.empty(len(lens), s_q, H, 576, device="cuda", dtype=torch.bfloat16)     # the bf16 schedule
     cfg = dataclasses.replace(portable.default_config(q, 8192), num_splits=4, persistent=True)
     check(lens, s_q, H, dv=512, dr=64, block_size=64, dtype=torch.bfloat16, device="cuda", seed=H + s_q, cfg=cfg)
 
