@@ -175,6 +175,11 @@ def sparse_kernel(m=None, partials: str = PARTIALS, BN: int = 64, kv: str = "bf1
     return compile_gluon(m._sparse_kernel, sig, cx, aligned, maxnreg=168)
 
 
+class AbsentKernel(LookupError):
+    """The tree being compiled has no such kernel (it predates it): ``ptx_diff.py`` reports it,
+    it does not compare it."""
+
+
 def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True, persistent: bool = False):
     """the portable Triton kernel (or that of another module with the same kernel) on bf16 queries
     over rows of kv ("bf16", "fp8" per-tensor, "tile" FP8 tile rows; "fp32": float32 queries and
@@ -198,6 +203,8 @@ def portable_kernel(m=None, kv: str = "bf16", page_tile: bool = True, persistent
     cx = dict(CAUSAL=True, IEEE=kv == "fp32", PAGE_TILE=page_tile, KV_FMT={"fp8": 1, "tile": 2}.get(kv, 0),
               KEEP_NAN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_B=BLOCK_B)
     if persistent:
+        if "PERSISTENT" not in names:
+            raise AbsentKernel("this tree's portable kernel has no persistent schedule")
         cx["PERSISTENT"] = True
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
